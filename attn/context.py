@@ -1,0 +1,104 @@
+"""Context managers that say, for a block of code, how forward passes treat the KV-cache.
+
+Each restores the previous state on exit, also when the body raises, and they nest: the
+innermost one wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import contextlib
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from attn.attention import MultiHeadAttention
+
+__all__ = ["cached_inference", "disable_kv_cache", "kv_cache_mode", "local_kv_cache"]
+
+
+def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attn.MultiHeadAttention layers to set a cache mode on")
+    return layers
+
+
+@contextmanager
+def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
+    """Sets the explicit KV-cache flag on every attention layer of ``model``.
+
+    ``mode=True``: passes use the cache under the ``FLAG`` policy (under ``INFERENCE`` they
+    still need an inference-tensor input). A grad-enabled pass inside raises.
+    ``mode=False``: no pass touches the cache, under any mode or policy.
+
+    Example::
+
+        with attn.kv_cache_mode(model), torch.no_grad():
+            model(prompt)  # writes the cache
+    """
+    if not isinstance(mode, bool):
+        raise ValueError(f"kv_cache_mode mode must be True or False, got {mode!r}")
+    layers = _attention_layers(model)
+    if mode and any(layer.kv_cache is None for layer in layers):
+        raise RuntimeError(
+            "kv_cache_mode(model, True) needs caches: call model.setup_caches(batch_size, "
+            "max_seq_len) first, or use attn.local_kv_cache(model, ...)"
+        )
+    previous = [layer.cache_mode for layer in layers]
+    for layer in layers:
+        layer.cache_mode = mode
+    try:
+        yield model
+    finally:
+        for layer, mode_before in zip(layers, previous):
+            layer.cache_mode = mode_before
+
+
+def disable_kv_cache(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """No forward pass inside touches the cache, under any mode or policy.
+
+    Use it for scoring under ``torch.inference_mode()`` (an eval log-likelihood task)::
+
+        with torch.inference_mode(), attn.disable_kv_cache(model):
+            logprobs = model(candidates).log_softmax(-1)
+    """
+    return kv_cache_mode(model, False)
+
+
+@contextmanager
+def cached_inference(model: nn.Module) -> Iterator[nn.Module]:
+    """``torch.inference_mode()`` plus the flag: passes inside use the cache.
+
+    The portable spelling: it caches under every policy and torch release, eager or
+    compiled.
+    """
+    with torch.inference_mode(), kv_cache_mode(model, True):
+        yield model
+
+
+@contextmanager
+def local_kv_cache(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    max_seq_len: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[nn.Module]:
+    """Sets up caches on entry and tears them down on exit.
+
+    Raises:
+        RuntimeError: the model already has caches (they would be lost on exit).
+    """
+    if model.caches_are_setup():
+        raise RuntimeError(
+            "local_kv_cache: the model already has caches set up and would lose them on exit; "
+            "call model.teardown_caches() first, or use the existing caches"
+        )
+    model.setup_caches(batch_size, max_seq_len, dtype=dtype, device=device)
+    try:
+        yield model
+    finally:
+        model.teardown_caches()

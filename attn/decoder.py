@@ -1,0 +1,291 @@
+"""A Llama-style reference decoder: embedding, RMSNorm, attention, SwiGLU, RoPE, GQA.
+
+Shapes: b = batch, s = sequence, e = embed dim, v = vocab size.
+
+Parameter names follow the Llama layout (``q_proj``, ``gate_proj``, ...), so a checkpoint
+maps onto it one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn import compat
+from attn.attention import MultiHeadAttention, default_pos_and_mask
+from attn.kv_cache import KVCache
+from attn.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["DecoderConfig", "TransformerDecoder"]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes of a ``TransformerDecoder``; validated on construction.
+
+    Attributes:
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        embed_dim: model width (e).
+        num_layers: decoder layers.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (``None``: same as ``num_heads``).
+        head_dim: size of each head (``None``: ``embed_dim // num_heads``).
+        hidden_dim: width of the SwiGLU MLP.
+        max_seq_len: positions the RoPE table covers; caches can hold at most this many.
+        norm_eps: RMSNorm epsilon.
+        rope_base: RoPE base (``rope_theta``).
+        tie_embeddings: the output projection reuses the token embedding.
+    """
+
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    hidden_dim: int
+    max_seq_len: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    norm_eps: float = 1e-5
+    rope_base: float = 10_000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim is None:
+            if self.embed_dim % self.num_heads:
+                raise ValueError(
+                    f"embed_dim ({self.embed_dim}) is not divisible by num_heads ({self.num_heads}); "
+                    "set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
+        if self.norm_eps <= 0 or self.rope_base <= 0:
+            raise ValueError(f"norm_eps ({self.norm_eps}) and rope_base ({self.rope_base}) must be positive")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, embed_dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: DecoderConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.embed_dim, config.norm_eps)
+        self.attn = MultiHeadAttention(
+            embed_dim=config.embed_dim,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_seq_len=config.max_seq_len,
+            rope=rope,
+        )
+        self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps)
+        self.mlp = FeedForward(config.embed_dim, config.hidden_dim)
+
+    def forward(
+        self, x: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor | None, use_cache: bool
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), input_pos=input_pos, mask=mask, use_cache=use_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerDecoder(nn.Module):
+    """A Llama-style decoder whose KV-caches follow the kind of forward pass.
+
+    Example::
+
+        model = TransformerDecoder(DecoderConfig(vocab_size=100, embed_dim=64, num_layers=2,
+                                                 num_heads=4, num_kv_heads=2, hidden_dim=128,
+                                                 max_seq_len=256))
+        model.setup_caches(batch_size=1, max_seq_len=64)
+        with attn.cached_inference(model):
+            logits = model(prompt)                     # prefill, writes the cache
+            logits = model(logits[:, -1:].argmax(-1))  # decode, continues where it stopped
+        loss = model(batch).logsumexp(-1).mean()       # training: cache untouched
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.embed_dim)
+        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base)
+        self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.embed_dim, config.norm_eps)
+        self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> TransformerDecoder:
+        """Loads a local Hugging Face Llama-family checkpoint (see ``attn.load_pretrained``)."""
+        from attn.checkpoint import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, device=device)
+
+    # -- caches ------------------------------------------------------------------------
+
+    def _attention(self) -> list[MultiHeadAttention]:
+        return [layer.attn for layer in self.layers]
+
+    def setup_caches(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Gives every layer a fresh, empty static cache, replacing any old one.
+
+        Args:
+            batch_size: rows each forward that uses the cache must have.
+            max_seq_len: tokens the cache holds; at most ``config.max_seq_len``.
+            dtype: cache dtype (default: the model's parameter dtype).
+            device: cache device (default: the model's parameter device).
+        """
+        for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"setup_caches {name} must be a positive int, got {value!r}")
+        if max_seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"setup_caches max_seq_len ({max_seq_len}) exceeds the model's max_seq_len "
+                f"({self.config.max_seq_len}, the positions its RoPE table covers); use at most "
+                f"{self.config.max_seq_len} or build the model with a larger DecoderConfig.max_seq_len"
+            )
+        weight = self.tok_embeddings.weight
+        for attention in self._attention():
+            attention.setup_cache(
+                batch_size, max_seq_len, dtype=dtype or weight.dtype, device=device or weight.device
+            )
+        compat.warn_on_cache_setup()
+
+    def caches_are_setup(self) -> bool:
+        """Do the layers have KV-caches?"""
+        return self.layers[0].attn.kv_cache is not None
+
+    def caches_are_enabled(self) -> bool:
+        """Would a forward pass started now, in the current grad/inference mode and flags, use the cache?
+
+        Returns ``False`` for a grad-enabled pass with the flag on: that pass raises.
+        """
+        try:
+            return self.layers[0].attn.uses_cache(None)
+        except RuntimeError:
+            return False
+
+    def reset_caches(self) -> None:
+        """Empties every cache (keeps them set up); works in and out of inference mode."""
+        if not self.caches_are_setup():
+            raise RuntimeError("caches are not set up: call setup_caches() first")
+        for attention in self._attention():
+            attention.kv_cache.reset()
+
+    def teardown_caches(self) -> None:
+        """Removes the caches; forward passes run plain causal attention afterwards."""
+        for attention in self._attention():
+            attention.teardown_cache()
+
+    def kv_caches(self) -> list[KVCache]:
+        """The layers' caches, in order (empty when none are set up)."""
+        return [a.kv_cache for a in self._attention() if a.kv_cache is not None]
+
+    # -- forward -----------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        input_pos: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every position of ``tokens``.
+
+        Args:
+            tokens: (b, s) integer token ids in ``[0, vocab_size)``.
+            input_pos: RoPE positions, (s,) or (b, s); default ``arange(s)``, or from the
+                cache's fill position onwards when the pass uses the cache.
+            mask: bool, True where a query may attend; (b, s, s) without the cache, (b, s,
+                max_seq_len) over cache slots with it. Default: causal. See
+                ``attn.padded_causal_mask`` for left-padded batches.
+
+        Returns:
+            (b, s, v) logits, in the model's dtype.
+        """
+        self._check_tokens(tokens)
+        b, s = tokens.shape
+        h = self.tok_embeddings(tokens)  # (b, s, e)
+        first = self.layers[0].attn
+        use_cache = first.uses_cache(h)
+        cache = first.kv_cache if use_cache else None
+        if cache is not None:
+            cache.check_update(b, s)  # raise before any layer writes
+        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)
+        for layer in self.layers:
+            h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)  # (b, s, v)
+        return self.output(h)  # (b, s, v)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of ids, got {type(tokens).__name__}")
+        if tokens.dim() != 2:
+            raise ValueError(
+                f"tokens must have shape (batch, seq_len), got {tuple(tokens.shape)}; "
+                "use tokens[None] for a single sequence"
+            )
+        if tokens.dtype not in (torch.long, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
+        if tokens.shape[1] == 0:
+            raise ValueError(f"tokens has no positions: shape {tuple(tokens.shape)}")
+        if not torch.compiler.is_compiling():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"token ids must be in [0, {self.config.vocab_size}), got min {low} and max "
+                    f"{high}; check the tokenizer matches the model's vocab_size"
+                )

@@ -1,0 +1,259 @@
+"""Batched generation with the KV-cache: greedy or sampled, prompts of any lengths.
+
+Shapes: b = batch, P = longest prompt, N = max_new_tokens, L = cache slots, v = vocab.
+
+Prompts are left-padded to P, so every row's next token goes to the same cache slot; each
+row keeps its own RoPE positions and a mask hides its padding. Everything runs under
+``attn.cached_inference`` (so it caches under every policy, eager or compiled), and the
+results are cloned out of inference mode: they feed a grad-enabled pass as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attn.context import cached_inference
+from attn.masks import padding_positions, slot_mask
+
+__all__ = ["GenerationOutput", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What ``generate`` returns; all ordinary tensors (not inference tensors).
+
+    Attributes:
+        tokens: (b, P + N) long: each prompt left-padded with ``pad_id``, then the generated
+            tokens; ``pad_id`` after a row's stop token.
+        padding_mask: (b, P + N) bool, True for real tokens (prompt, and generated tokens up
+            to and including the stop token).
+        positions: (b, P + N) long RoPE positions of every token, for an uncached re-score:
+            ``model(tokens, input_pos=positions, mask=attn.padded_causal_mask(padding_mask))``.
+        prompt_length: P, the padded prompt width.
+        logprobs: (b, N) float32 log-probability of each generated token under the
+            distribution it was drawn from (after temperature and top-k; the model's own
+            distribution for greedy); 0 after a row stopped.
+        logits: (b, N, v) logits that produced each generated token, when asked for.
+    """
+
+    tokens: torch.Tensor
+    padding_mask: torch.Tensor
+    positions: torch.Tensor
+    prompt_length: int
+    logprobs: torch.Tensor
+    logits: torch.Tensor | None = None
+
+    @property
+    def generated(self) -> torch.Tensor:
+        """(b, N) the generated tokens alone."""
+        return self.tokens[:, self.prompt_length :]
+
+    @property
+    def generated_mask(self) -> torch.Tensor:
+        """(b, N) bool, True for generated tokens that count (up to and including a stop)."""
+        return self.padding_mask[:, self.prompt_length :]
+
+
+def _left_pad(
+    prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(tokens, mask)``, each (b, P): prompts right-aligned, pads masked out."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"a prompt tensor must be (batch, seq_len), got shape {tuple(prompts.shape)}")
+        rows = list(prompts)
+    else:
+        rows = list(prompts)
+    if not rows:
+        raise ValueError("generate needs at least one prompt, got an empty batch")
+    rows = [torch.as_tensor(row, dtype=torch.long, device=device).reshape(-1) for row in rows]
+    empty = [i for i, row in enumerate(rows) if row.numel() == 0]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token (e.g. a BOS id)")
+    width = max(row.numel() for row in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        tokens[i, width - row.numel() :] = row
+        mask[i, width - row.numel() :] = True
+    return tokens, mask
+
+
+def _sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Picks one token per row from (b, v) logits; returns ``(tokens, logprobs)``, each (b,)."""
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(-1)  # (b,)
+    else:
+        logits = logits / temperature
+        if top_k is not None:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (b, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
+    logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)  # (b,)
+    return tokens, logprobs
+
+
+def _check_arguments(
+    vocab_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    stop_tokens: Iterable[int] | None,
+    pad_id: int,
+) -> list[int]:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and not (isinstance(top_k, int) and 0 < top_k <= vocab_size):
+        raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
+    stops = [int(t) for t in (stop_tokens or [])]
+    bad = [t for t in [*stops, pad_id] if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens and pad_id must be ids in [0, {vocab_size}), got {bad}")
+    return stops
+
+
+def generate(
+    model: nn.Module,
+    prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    stop_tokens: Iterable[int] | None = None,
+    pad_id: int = 0,
+    generator: torch.Generator | None = None,
+    return_logits: bool = False,
+) -> GenerationOutput:
+    """Generates up to ``max_new_tokens`` after each prompt, using the KV-cache.
+
+    If the model has no caches, a cache of exactly the needed size is set up for the call
+    and torn down after. If it has caches, they are reset and must fit the batch and the
+    length. A row stops after it produces any of ``stop_tokens``; the call ends when every
+    row has stopped.
+
+    Args:
+        model: a ``TransformerDecoder`` (or a ``torch.compile`` of one).
+        prompts: a list of id sequences (any lengths), or a (b, s) id tensor.
+        max_new_tokens: tokens to generate per row at most.
+        temperature: 0 for greedy; otherwise softmax temperature for sampling.
+        top_k: sample from the k most likely tokens only.
+        stop_tokens: ids that end a row (the stop token is kept).
+        pad_id: id used for left padding and after a row stopped.
+        generator: random generator for sampling, for reproducible draws.
+        return_logits: also return the (b, N, v) logits of each step.
+
+    Example::
+
+        out = attn.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=16, stop_tokens=[2])
+        loss = -(policy_logprobs(model, out) * advantages).mean()   # out.tokens needs no clone
+    """
+    config = model.config
+    stops = _check_arguments(config.vocab_size, max_new_tokens, temperature, top_k, stop_tokens, pad_id)
+    device = model.tok_embeddings.weight.device
+    prompt_tokens, prompt_mask = _left_pad(prompts, pad_id, device)  # each (b, P)
+    b, P = prompt_tokens.shape
+    total = P + max_new_tokens
+    if prompt_tokens.min() < 0 or prompt_tokens.max() >= config.vocab_size:
+        raise ValueError(
+            f"prompt token ids must be in [0, {config.vocab_size}), got min {int(prompt_tokens.min())} "
+            f"and max {int(prompt_tokens.max())}"
+        )
+    owns_cache = not model.caches_are_setup()
+    if owns_cache:
+        if total > config.max_seq_len:
+            raise ValueError(
+                f"generate: the longest prompt ({P} tokens) plus max_new_tokens ({max_new_tokens}) "
+                f"is {total}, more than the model's max_seq_len ({config.max_seq_len}); shorten the "
+                "prompts or ask for fewer tokens"
+            )
+    else:
+        cache = model.kv_caches()[0]
+        if cache.batch_size != b or total > cache.max_seq_len:
+            raise ValueError(
+                f"generate: {b} prompts of up to {P} tokens plus max_new_tokens ({max_new_tokens}) "
+                f"need a cache of batch_size {b} and max_seq_len >= {total}, but the model's cache "
+                f"has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
+                f"setup_caches({b}, {total}) or teardown_caches() to let generate make its own"
+            )
+        model.reset_caches()
+    if owns_cache:
+        model.setup_caches(b, total)
+    try:
+        steps = _decode(model, prompt_tokens, prompt_mask, max_new_tokens, temperature, top_k, stops, pad_id, generator, return_logits)
+    finally:
+        if owns_cache:
+            model.teardown_caches()
+    new_tokens, new_mask, logprobs, logits = steps  # inference tensors; clone them out below
+    tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b, P + N)
+    padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b, P + N)
+    return GenerationOutput(
+        tokens=tokens,
+        padding_mask=padding_mask,
+        positions=padding_positions(padding_mask),
+        prompt_length=P,
+        logprobs=logprobs.clone(),
+        logits=None if logits is None else logits.clone(),
+    )
+
+
+def _decode(
+    model: nn.Module,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    stops: list[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+    return_logits: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Prefill, then one token a step; returns (b, N) tokens, mask, logprobs, and logits."""
+    b, P = prompt_tokens.shape
+    device = prompt_tokens.device
+    num_slots = model.kv_caches()[0].max_seq_len
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+    new_tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    new_mask = torch.zeros((b, max_new_tokens), dtype=torch.bool, device=device)
+    logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
+    all_logits = []
+    with cached_inference(model):
+        key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, L)
+        key_valid[:, :P] = prompt_mask
+        positions = padding_positions(prompt_mask)  # (b, P)
+        mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, L)
+        logits = model(prompt_tokens, input_pos=positions, mask=mask)[:, -1]  # (b, v)
+        next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            if return_logits:
+                all_logits.append(logits.float())
+            token, logprob = _sample(logits, temperature, top_k, generator)  # each (b,)
+            new_tokens[:, step] = torch.where(done, pad_id, token)
+            logprobs[:, step] = torch.where(done, 0.0, logprob)
+            new_mask[:, step] = ~done
+            done = done | torch.isin(token, stop_ids)
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            slot = torch.tensor([P + step], device=device)  # (1,)
+            logits = model(
+                new_tokens[:, step : step + 1], input_pos=next_pos, mask=slot_mask(key_valid, slot)
+            )[:, -1]  # (b, v)
+            next_pos = next_pos + 1
+    logits_out = None
+    if return_logits:
+        vocab = all_logits[0].shape[-1]
+        padded = torch.zeros((b, max_new_tokens, vocab), dtype=torch.float32, device=device)
+        padded[:, : len(all_logits)] = torch.stack(all_logits, dim=1)
+        logits_out = padded
+    return new_tokens, new_mask, logprobs, logits_out

@@ -1,0 +1,133 @@
+"""A static, preallocated key/value cache for one attention layer.
+
+Shapes: b = batch, h_kv = kv heads, s = new tokens, L = max_seq_len, d = head dim.
+
+The buffers have a fixed shape and the fill position lives in a 0-dim tensor, so a decode
+step looks the same to ``torch.compile`` at every position and compiles once. Buffers are
+``persistent=False``: a ``state_dict`` never carries a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["KVCache"]
+
+
+class KVCache(nn.Module):
+    """Keys and values of the tokens seen so far, written in place at the fill position.
+
+    Args:
+        batch_size: rows the cache holds; every update must have exactly this many.
+        num_kv_heads: key/value heads (h_kv).
+        max_seq_len: capacity in tokens (L).
+        head_dim: size of each head (d).
+        dtype: dtype of the key/value buffers.
+        device: where the buffers live.
+
+    Example::
+
+        cache = KVCache(batch_size=2, num_kv_heads=4, max_seq_len=128, head_dim=64)
+        k_all, v_all = cache.update(k, v)  # k, v: (2, 4, s, 64); k_all: (2, 4, 128, 64)
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_seq_len", max_seq_len),
+            ("head_dim", head_dim),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        self.batch_size = batch_size
+        self.num_kv_heads = num_kv_heads
+        self.max_seq_len = max_seq_len
+        self.head_dim = head_dim
+        self.torn_down = False
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        # Cache buffers are normal tensors even when created under inference mode: an
+        # inference-tensor buffer could not be reset outside inference mode.
+        with torch.inference_mode(False):
+            self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+
+    @property
+    def size(self) -> int:
+        """Tokens written so far (eager only: reads the fill position tensor)."""
+        return int(self.cache_pos.item())
+
+    def extra_repr(self) -> str:
+        return (
+            f"batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+            f"max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, dtype={self.k_cache.dtype}"
+        )
+
+    def check_update(self, batch_size: int, seq_len: int) -> None:
+        """Raises, before anything is written, if ``seq_len`` new tokens would not fit.
+
+        The shape checks are static and cost nothing under ``torch.compile``. The capacity
+        check reads the fill position, so it runs in eager code only; compiled code relies on
+        the caller (``attn.generate`` checks the whole generation up front).
+        """
+        if self.torn_down:
+            raise RuntimeError(
+                "this KVCache was torn down (teardown_caches()); call setup_caches() to make a "
+                "new one instead of keeping a reference to the old one"
+            )
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"batch size {batch_size} does not match the KV-cache batch size "
+                f"{self.batch_size}: call setup_caches(batch_size={batch_size}, ...) or pass "
+                f"exactly {self.batch_size} rows"
+            )
+        if not torch.compiler.is_compiling():
+            filled = self.size
+            if filled + seq_len > self.max_seq_len:
+                raise RuntimeError(
+                    f"KV-cache overflow: it holds {filled} tokens, {seq_len} more do not fit in "
+                    f"its capacity of {self.max_seq_len}; call reset_caches() to start over or "
+                    "setup_caches() with a larger max_seq_len"
+                )
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes ``k`` and ``v`` at the fill position and advances it.
+
+        Args:
+            k: new keys, (b, h_kv, s, d).
+            v: new values, (b, h_kv, s, d).
+
+        Returns:
+            The whole key and value buffers, each (b, h_kv, L, d); slots at or past the new
+            fill position hold stale data and must be masked by the caller.
+        """
+        b, h_kv, s, d = k.shape
+        if k.shape != v.shape or (h_kv, d) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"KVCache.update expects k and v of shape (b, {self.num_kv_heads}, s, "
+                f"{self.head_dim}), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            )
+        self.check_update(b, s)
+        slots = self.cache_pos + torch.arange(s, device=k.device)  # (s,)
+        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        self.cache_pos.add_(s)
+        return self.k_cache, self.v_cache
+
+    def reset(self) -> None:
+        """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+        self.cache_pos.zero_()
