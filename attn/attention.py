@@ -105,7 +105,9 @@ class MultiHeadAttention(nn.Module):
         """Would a pass over ``x``, run now, use the cache?
 
         ``x=None`` asks about a pass that has not started yet (eager only): under the
-        ``INFERENCE`` policy it then reads ``torch.is_inference_mode_enabled()``.
+        ``INFERENCE`` policy it then reads ``torch.is_inference_mode_enabled()``, and it
+        never warns. A real pass (``x`` given) under ``FLAG`` that runs in inference mode
+        without the flag warns once per process that it did not use the cache.
 
         Raises:
             RuntimeError: the flag is on and grad is enabled (a cache must never record
@@ -123,7 +125,7 @@ class MultiHeadAttention(nn.Module):
             )
         if compat.active_policy() is CachePolicy.FLAG:
             if self.cache_mode is None:
-                if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+                if x is not None and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
                     compat.warn_inference_mode_ignored()
                 return False
             return True

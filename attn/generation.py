@@ -239,16 +239,17 @@ def _decode(
             if return_logits:
                 all_logits.append(logits.float())
             token, logprob = _sample(logits, temperature, top_k, generator)  # each (b,)
-            new_tokens[:, step] = torch.where(done, pad_id, token)
+            token = torch.where(done, pad_id, token)
+            new_tokens[:, step] = token
             logprobs[:, step] = torch.where(done, 0.0, logprob)
             new_mask[:, step] = ~done
             done = done | torch.isin(token, stop_ids)
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             slot = torch.tensor([P + step], device=device)  # (1,)
-            logits = model(
-                new_tokens[:, step : step + 1], input_pos=next_pos, mask=slot_mask(key_valid, slot)
-            )[:, -1]  # (b, v)
+            # A fresh (b, 1) tensor, not a slice of new_tokens: a changing storage offset
+            # would make torch.compile recompile the decode step.
+            logits = model(token[:, None], input_pos=next_pos, mask=slot_mask(key_valid, slot))[:, -1]  # (b, v)
             next_pos = next_pos + 1
     logits_out = None
     if return_logits:

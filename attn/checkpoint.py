@@ -1,0 +1,642 @@
+"""Checkpoints: load and save Hugging Face Llama-family checkpoint directories.
+
+A checkpoint directory holds ``config.json`` and the weights in safetensors files: either
+one ``model.safetensors``, or shards listed by ``model.safetensors.index.json``. Loading
+reads tensors with ``safetensors`` only: it never unpickles anything and never imports
+``transformers``.
+
+Supported: ``model_type`` ``"llama"`` (``LlamaForCausalLM``), and ``"mistral"``
+(``MistralForCausalLM``) without a sliding window, with plain RoPE (``rope_type``
+``"default"``), SiLU MLPs and bias-free linears. Anything else is refused with an error that
+names the option, never loaded as a silently different model.
+
+Tensor names, Hugging Face -> attn (i = layer index)::
+
+    model.embed_tokens.weight                     tok_embeddings.weight
+    model.layers.i.input_layernorm.weight         layers.i.attn_norm.weight
+    model.layers.i.self_attn.{q,k,v,o}_proj.weight layers.i.attn.{q,k,v,o}_proj.weight
+    model.layers.i.post_attention_layernorm.weight layers.i.mlp_norm.weight
+    model.layers.i.mlp.{gate,up,down}_proj.weight layers.i.mlp.{gate,up,down}_proj.weight
+    model.norm.weight                             norm.weight
+    lm_head.weight                                output.weight (absent when tied)
+
+Both layouts store linear weights as (out_features, in_features) and use rotate-half RoPE,
+so every tensor is copied as it is: no permutation.
+
+Example::
+
+    model = attn.load_pretrained("/models/my-llama", dtype=torch.bfloat16)
+    attn.save_pretrained(model, "/tmp/copy")  # loadable by attn and by transformers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from attn.decoder import DecoderConfig, TransformerDecoder
+
+__all__ = [
+    "CONFIG_FILE",
+    "INDEX_FILE",
+    "SUPPORTED_ARCHITECTURES",
+    "WEIGHTS_FILE",
+    "CheckpointError",
+    "CheckpointWarning",
+    "InvalidConfigError",
+    "MissingTensorError",
+    "TensorDtypeError",
+    "TensorShapeError",
+    "UnexpectedTensorError",
+    "UnsupportedArchitectureError",
+    "UnsupportedConfigError",
+    "config_from_hf",
+    "config_to_hf",
+    "load_pretrained",
+    "save_pretrained",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+"""model_type -> the one ``architectures`` entry loadable for it."""
+
+_DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+# Per-layer tensor names: attn suffix -> Hugging Face suffix.
+_LAYER_TENSORS: Mapping[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_TOP_TENSORS: Mapping[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Buffers that old transformers releases saved; they are derived from the config (as
+# transformers itself does on load), so they are skipped, not reported as unexpected.
+_DERIVED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_ROPE_THETA_DEFAULT = 10000.0  # transformers' default when a config names none
+_SUPPORTED_ACTIVATIONS = ("silu", "swish")  # one function under two names
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as it is; the base of the errors below."""
+
+
+class UnsupportedArchitectureError(CheckpointError):
+    """The checkpoint is a model family or head that attn does not implement."""
+
+
+class UnsupportedConfigError(CheckpointError):
+    """config.json asks for an option attn does not implement (rope scaling, biases, ...)."""
+
+
+class InvalidConfigError(CheckpointError):
+    """config.json lacks a required key, or holds a value of the wrong kind."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the model needs is not in the checkpoint's safetensors files."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
+class UnexpectedTensorError(CheckpointError):
+    """The checkpoint holds tensors the model has no place for (another architecture?)."""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor's shape differs from the one config.json implies."""
+
+
+class TensorDtypeError(CheckpointError):
+    """A tensor is stored in a dtype that is not a float (quantized weights, say)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Warns about a checkpoint option that attn ignores because it cannot change outputs."""
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
+    """Translate a Hugging Face Llama-family ``config.json`` dict to a ``DecoderConfig``.
+
+    Handles both RoPE spellings: ``rope_theta`` / ``rope_scaling`` at the top level
+    (transformers 4) and the ``rope_parameters`` dict (transformers 5).
+
+    Args:
+        hf_config: the parsed ``config.json``.
+
+    Returns:
+        The equivalent ``DecoderConfig``.
+
+    Raises:
+        UnsupportedArchitectureError: ``model_type`` / ``architectures`` is not one of
+            ``SUPPORTED_ARCHITECTURES``.
+        UnsupportedConfigError: an option attn does not implement (rope scaling, biases,
+            an activation other than SiLU, a sliding window, quantization).
+        InvalidConfigError: a required key is missing or has the wrong type.
+
+    Example::
+
+        cfg = attn.config_from_hf(json.loads(Path("ckpt/config.json").read_text()))
+    """
+    model_type = _check_architecture(hf_config)
+    _check_options(hf_config, model_type)
+    hidden_size = _get_int(hf_config, "hidden_size")
+    num_heads = _get_int(hf_config, "num_attention_heads")
+    num_kv_heads = _get_int(hf_config, "num_key_value_heads", default=num_heads)
+    head_dim = _get_int(hf_config, "head_dim", default=None)
+    try:
+        return DecoderConfig(
+            vocab_size=_get_int(hf_config, "vocab_size"),
+            embed_dim=hidden_size,
+            num_layers=_get_int(hf_config, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_dim=_get_int(hf_config, "intermediate_size"),
+            max_seq_len=_get_int(hf_config, "max_position_embeddings", default=2048),
+            norm_eps=_get_float(hf_config, "rms_norm_eps", default=1e-6),
+            rope_base=_rope_theta(hf_config),
+            tie_embeddings=_get_bool(hf_config, "tie_word_embeddings", default=False),
+        )
+    except ValueError as err:  # DecoderConfig's own validation, e.g. heads vs kv heads
+        raise InvalidConfigError(f"config.json describes an invalid model: {err}") from err
+
+
+def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The ``config.json`` dict of a ``LlamaForCausalLM`` equivalent to ``config``.
+
+    Writes both RoPE spellings (``rope_theta`` and ``rope_parameters``) so that
+    transformers 4 and 5 read the same model.
+    """
+    return {
+        "architectures": [SUPPORTED_ARCHITECTURES["llama"]],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.hidden_dim,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def _check_architecture(hf_config: Mapping[str, Any]) -> str:
+    model_type = hf_config.get("model_type")
+    architectures = hf_config.get("architectures")
+    supported = ", ".join(f"{t!r} ({a})" for t, a in SUPPORTED_ARCHITECTURES.items())
+    if model_type is None and architectures is None:
+        raise InvalidConfigError(
+            "config.json names neither 'model_type' nor 'architectures': cannot tell which "
+            f"model it describes; attn loads {supported}"
+        )
+    if model_type is not None and model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} is not supported: attn loads {supported}"
+        )
+    if architectures is not None:
+        wanted = {SUPPORTED_ARCHITECTURES[model_type]} if model_type else set(
+            SUPPORTED_ARCHITECTURES.values()
+        )
+        if not isinstance(architectures, list) or len(architectures) != 1 or (
+            architectures[0] not in wanted
+        ):
+            raise UnsupportedArchitectureError(
+                f"architectures {architectures!r} is not supported: attn loads a causal LM "
+                f"with an LM head, one of {sorted(wanted)} (a base model or a "
+                "classification head has other tensors)"
+            )
+        if model_type is None:
+            model_type = next(t for t, a in SUPPORTED_ARCHITECTURES.items() if a == architectures[0])
+    return model_type
+
+
+def _check_options(hf_config: Mapping[str, Any], model_type: str) -> None:
+    def refuse(key: str, fix: str) -> None:
+        raise UnsupportedConfigError(f"{key} = {hf_config[key]!r} is not supported: {fix}")
+
+    act = hf_config.get("hidden_act", "silu")
+    if act not in _SUPPORTED_ACTIVATIONS:
+        refuse("hidden_act", "attn's MLP is SwiGLU with SiLU (hidden_act 'silu')")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key, False):
+            refuse(key, "attn's linear layers have no bias; load this model with transformers")
+    if hf_config.get("quantization_config") is not None:
+        refuse("quantization_config", "attn loads float weights only; use a dequantized checkpoint")
+    if model_type == "mistral":
+        window = hf_config.get("sliding_window")
+        max_pos = hf_config.get("max_position_embeddings")
+        if window is not None and not (isinstance(max_pos, int) and window >= max_pos):
+            refuse(
+                "sliding_window",
+                f"attn implements full causal attention only; a window smaller than "
+                f"max_position_embeddings ({max_pos}) changes the model",
+            )
+    dropout = hf_config.get("attention_dropout", 0.0)
+    if dropout:
+        warnings.warn(
+            f"attention_dropout = {dropout!r} is ignored: attn has no dropout. Outputs in eval "
+            "mode are the same; training would differ.",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf_config.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise InvalidConfigError(f"{key} must be a dict or null, got {params!r}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise UnsupportedConfigError(
+                f"{key} has rope_type {rope_type!r}, which attn does not implement: only plain "
+                "RoPE ('default') is supported. Loading it anyway would silently change the "
+                "model at every position"
+            )
+        factor = params.get("partial_rotary_factor", 1.0)
+        if factor != 1.0:
+            raise UnsupportedConfigError(
+                f"{key} has partial_rotary_factor {factor!r}: attn rotates the whole head "
+                "(partial_rotary_factor 1.0)"
+            )
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+    # transformers' order: the rope dict first (legacy rope_scaling over rope_parameters),
+    # then the top-level rope_theta, then the default.
+    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    top = hf_config.get("rope_theta")
+    theta = params.get("rope_theta", top)
+    if top is not None and theta != top:
+        raise InvalidConfigError(
+            f"config.json gives two RoPE bases: rope_theta {top!r} and "
+            f"rope_parameters.rope_theta {theta!r}; remove one"
+        )
+    if theta is None:
+        return _ROPE_THETA_DEFAULT
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise InvalidConfigError(f"rope_theta must be a number, got {theta!r}")
+    return float(theta)
+
+
+_NO_DEFAULT: Any = object()
+
+
+def _get(hf_config: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = hf_config.get(key)
+    if value is None:
+        if default is _NO_DEFAULT:
+            raise InvalidConfigError(f"config.json lacks the required key {key!r}")
+        return default
+    return value
+
+
+def _get_int(hf_config: Mapping[str, Any], key: str, default: Any = _NO_DEFAULT) -> Any:
+    value = _get(hf_config, key, default)
+    if value is not default and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidConfigError(f"config.json {key} must be an integer, got {value!r}")
+    return value
+
+
+def _get_float(hf_config: Mapping[str, Any], key: str, default: float) -> float:
+    value = _get(hf_config, key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidConfigError(f"config.json {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _get_bool(hf_config: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = _get(hf_config, key, default)
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"config.json {key} must be true or false, got {value!r}")
+    return value
+
+
+def _config_dtype(hf_config: Mapping[str, Any]) -> torch.dtype | None:
+    name = hf_config.get("dtype", hf_config.get("torch_dtype"))
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise UnsupportedConfigError(
+            f"config.json dtype {name!r} is not supported: use one of {sorted(_DTYPES)}, or "
+            "pass dtype= to load_pretrained"
+        )
+    return _DTYPES[name]
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(
+        f"dtype {dtype!r} is not supported: use None (the checkpoint's own), or one of "
+        f"{sorted(_DTYPES)}"
+    )
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _tensor_names(config: DecoderConfig) -> dict[str, str]:
+    """attn parameter name -> Hugging Face tensor name, for every parameter of the model."""
+    names = {"tok_embeddings.weight": _TOP_TENSORS["tok_embeddings.weight"]}
+    for i in range(config.num_layers):
+        for ours, theirs in _LAYER_TENSORS.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    names["norm.weight"] = _TOP_TENSORS["norm.weight"]
+    if not config.tie_embeddings:
+        names["output.weight"] = _TOP_TENSORS["output.weight"]
+    return names
+
+
+@dataclass(frozen=True)
+class _Index:
+    """Where each tensor of a checkpoint lives: Hugging Face name -> safetensors file."""
+
+    files: dict[str, Path]
+
+    def describe(self, name: str) -> str:
+        return f"{name!r} (in {self.files[name].name})"
+
+
+def _read_index(directory: Path) -> _Index:
+    single = directory / WEIGHTS_FILE
+    index_path = directory / INDEX_FILE
+    if single.is_file():
+        shards = [single]
+        listed: dict[str, str] = {}
+    elif index_path.is_file():
+        index = json.loads(index_path.read_text())
+        listed = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(listed, dict):
+            raise InvalidConfigError(f"{index_path} has no 'weight_map' dict")
+        shards = []
+        for shard in sorted(set(listed.values())):
+            if not isinstance(shard, str) or Path(shard).name != shard:
+                raise InvalidConfigError(
+                    f"{index_path} names shard {shard!r}: a shard must be a file name in the "
+                    "checkpoint directory, not a path"
+                )
+            if not (directory / shard).is_file():
+                raise FileNotFoundError(
+                    f"{index_path} lists shard {shard!r}, which is not in {directory}: copy "
+                    "every shard of the checkpoint"
+                )
+            shards.append(directory / shard)
+    else:
+        pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+            p.name for p in directory.glob("*.pt*")
+        )
+        hint = (
+            f"; it holds {pickled}, pickle files attn never loads (they can run code): "
+            "convert them to safetensors"
+            if pickled
+            else ""
+        )
+        raise FileNotFoundError(
+            f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}"
+        )
+    files: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if name in files:
+                    raise InvalidConfigError(
+                        f"tensor {name!r} is stored twice, in {files[name].name} and "
+                        f"{shard.name}"
+                    )
+                files[name] = shard
+    for name, shard in listed.items():
+        if files.get(name) != directory / shard:
+            raise MissingTensorError(
+                f"{INDEX_FILE} says tensor {name!r} is in {shard}, but it is not there: the "
+                "shards do not match the index"
+            )
+    return _Index(files)
+
+
+def _check_names(index: _Index, names: Mapping[str, str], config: DecoderConfig) -> None:
+    expected = set(names.values())
+    stored = {n for n in index.files if not _DERIVED_TENSOR.match(n)}
+    if config.tie_embeddings:
+        stored.discard(_TOP_TENSORS["output.weight"])  # checked for equality on load
+    missing = sorted(expected - stored)
+    if missing:
+        raise MissingTensorError(
+            f"checkpoint lacks {len(missing)} tensor(s) the config implies, e.g. "
+            f"{missing[:3]}: the checkpoint is incomplete or config.json does not match it"
+            + _hint(missing, config)
+        )
+    unexpected = sorted(stored - expected)
+    if unexpected:
+        raise UnexpectedTensorError(
+            f"checkpoint holds {len(unexpected)} tensor(s) a Llama model with this config has "
+            f"no place for, e.g. {[index.describe(n) for n in unexpected[:3]]}: is it another "
+            "architecture, or does config.json (num_hidden_layers, tie_word_embeddings, biases) "
+            "not match the weights?"
+        )
+
+
+def _hint(missing: list[str], config: DecoderConfig) -> str:
+    if missing == [_TOP_TENSORS["output.weight"]] and not config.tie_embeddings:
+        return " (no lm_head.weight: if the output layer shares the embedding, set " \
+            "tie_word_embeddings to true)"
+    return ""
+
+
+def _check_tensor(name: str, info: Any, expected: torch.Size, index: _Index) -> None:
+    shape = tuple(info.get_shape())
+    if shape != tuple(expected):
+        raise TensorShapeError(
+            f"tensor {index.describe(name)} has shape {shape}, but config.json implies "
+            f"{tuple(expected)}: config.json does not match the weights"
+        )
+    stored = info.get_dtype()
+    if stored not in ("F32", "F16", "BF16", "F64"):
+        raise TensorDtypeError(
+            f"tensor {index.describe(name)} is stored as {stored}, not a float: attn loads "
+            "unquantized float weights only"
+        )
+
+
+def _open_all(stack: ExitStack, index: _Index) -> dict[Path, Any]:
+    return {
+        shard: stack.enter_context(safe_open(shard, framework="pt"))
+        for shard in sorted(set(index.files.values()))
+    }
+
+
+# ---------------------------------------------------------------------------- load / save
+
+
+def load_pretrained(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> TransformerDecoder:
+    """Load a local Hugging Face Llama-family checkpoint directory.
+
+    Every check (config options, tensor names, shapes, dtypes) runs before any weight is
+    read, so a bad checkpoint fails fast with an error that names what is wrong.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` (or shards listed by
+            ``model.safetensors.index.json``). Local only: nothing is downloaded.
+        dtype: parameter dtype (``torch.float32``, ``torch.bfloat16``, ``torch.float16`` or
+            their names). None: the ``dtype`` / ``torch_dtype`` of config.json, else float32.
+        device: where the parameters go; None: the default device.
+
+    Returns:
+        The model, in eval mode, with no caches set up.
+
+    Raises:
+        FileNotFoundError: no config.json, no safetensors weights, or a missing shard.
+        UnsupportedArchitectureError, UnsupportedConfigError, InvalidConfigError: see
+            ``config_from_hf``.
+        MissingTensorError, UnexpectedTensorError, TensorShapeError, TensorDtypeError: the
+            weights do not match the config. All are ``CheckpointError`` (a ``ValueError``).
+
+    Example::
+
+        model = attn.load_pretrained("/models/my-llama", dtype="bfloat16")
+        out = attn.generate(model, [tokenizer.encode("Hello")], max_new_tokens=32)
+    """
+    directory = Path(path)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{config_path} not found: load_pretrained takes a local checkpoint directory "
+            "(config.json plus safetensors weights), as written by save_pretrained"
+        )
+    hf_config = json.loads(config_path.read_text())
+    if not isinstance(hf_config, dict):
+        raise InvalidConfigError(f"{config_path} must hold a JSON object")
+    config = config_from_hf(hf_config)
+    dtype = _resolve_dtype(dtype) or _config_dtype(hf_config) or torch.float32
+
+    index = _read_index(directory)
+    names = _tensor_names(config)
+    _check_names(index, names, config)
+
+    model = _empty_model(config, dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    if set(params) != set(names):  # attn's own layout changed: a bug here, not the user's
+        raise RuntimeError(
+            f"attn's parameters {sorted(set(params) ^ set(names))[:4]} do not match the "
+            "checkpoint name table in attn/checkpoint.py: update the table"
+        )
+    with ExitStack() as stack:
+        readers = _open_all(stack, index)
+        for ours, theirs in names.items():
+            _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs),
+                          params[ours].shape, index)
+        with torch.no_grad():
+            for ours, theirs in names.items():
+                params[ours].copy_(readers[index.files[theirs]].get_tensor(theirs))
+            tied_head = _TOP_TENSORS["output.weight"]
+            if config.tie_embeddings and tied_head in index.files:
+                _check_tied_head(readers[index.files[tied_head]].get_tensor(tied_head),
+                                 params["tok_embeddings.weight"], index)
+    return model.eval()
+
+
+def _empty_model(
+    config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str | None
+) -> TransformerDecoder:
+    with torch.device(device) if device is not None else nullcontext():
+        model = TransformerDecoder(config)
+    return model.to(dtype=dtype)
+
+
+def _check_tied_head(head: torch.Tensor, embedding: torch.Tensor, index: _Index) -> None:
+    name = _TOP_TENSORS["output.weight"]
+    if head.shape != embedding.shape or not torch.equal(
+        head.to(device=embedding.device, dtype=embedding.dtype), embedding
+    ):
+        raise UnexpectedTensorError(
+            f"tie_word_embeddings is true, but {index.describe(name)} differs from "
+            "model.embed_tokens.weight: set tie_word_embeddings to false to use it as the "
+            "output layer, or remove it"
+        )
+
+
+def save_pretrained(
+    model: TransformerDecoder,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` checkpoint directory.
+
+    The directory gets ``config.json`` and one ``model.safetensors``; both attn's
+    ``load_pretrained`` and transformers' ``LlamaForCausalLM.from_pretrained`` read it.
+
+    Args:
+        model: the model to save (a torch.compile'd model is unwrapped).
+        path: the directory; created if missing. Existing files of the same names are
+            replaced.
+        dtype: the stored dtype; None: the model's parameter dtype.
+
+    Returns:
+        The directory's path.
+    """
+    model = getattr(model, "_orig_mod", model)
+    names = _tensor_names(model.config)
+    params = dict(model.named_parameters())
+    dtype = _resolve_dtype(dtype) or params["tok_embeddings.weight"].dtype
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        theirs: params[ours].detach().to(device="cpu", dtype=dtype).contiguous()
+        for ours, theirs in names.items()
+    }
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    hf_config = config_to_hf(model.config, dtype=dtype)
+    (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    return directory

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models, both cache policies, hypothesis profiles.
+
+Hypothesis profiles: ``default`` (fast, for CI) and ``long`` (more examples); pick one with
+``pytest --hypothesis-profile=long`` or ``HYPOTHESIS_PROFILE=long``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import attn
+from attn import compat
+from attn.compat import CachePolicy
+
+settings.register_profile(
+    "default",
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "long",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def tiny_config(**overrides: object) -> attn.DecoderConfig:
+    """A decoder small enough for many examples on two CPU cores."""
+    fields = dict(
+        vocab_size=61, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64
+    )
+    fields.update(overrides)
+    return attn.DecoderConfig(**fields)
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> attn.TransformerDecoder:
+    """A tiny decoder with weights scaled up so its outputs are far from uniform."""
+    torch.manual_seed(seed)
+    model = attn.TransformerDecoder(tiny_config(**overrides))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def cache_state(model: attn.TransformerDecoder) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A copy of every cache buffer, to check a pass left them bit-for-bit unchanged."""
+    return [(c.k_cache.clone(), c.v_cache.clone(), c.cache_pos.clone()) for c in model.kv_caches()]
+
+
+def assert_cache_unchanged(model: attn.TransformerDecoder, before: list) -> None:
+    after = cache_state(model)
+    assert len(after) == len(before)
+    for (k0, v0, p0), (k1, v1, p1) in zip(before, after):
+        assert torch.equal(p0, p1), f"fill position changed: {int(p0)} -> {int(p1)}"
+        assert torch.equal(k0, k1) and torch.equal(v0, v1), "cache contents changed"
+        assert not k1.requires_grad and k1.grad_fn is None, "cache holds autograd history"
+
+
+@pytest.fixture
+def restore_policy() -> Iterator[None]:
+    """Puts the process's cache policy and once-per-process warnings back after a test."""
+    before = compat._decision
+    yield
+    compat._decision = before
+    compat._reset_warnings()
+
+
+@pytest.fixture(params=[CachePolicy.INFERENCE, CachePolicy.FLAG], ids=["inference", "flag"])
+def policy(request: pytest.FixtureRequest, restore_policy: None) -> CachePolicy:
+    """Runs a test under each cache policy, forced through the override."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", attn.CompatWarning)
+        compat.set_cache_policy(request.param)
+    return request.param

@@ -1,0 +1,116 @@
+"""attn/attention.py against the naive head-by-head reference in tests/reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attn
+from attn import MultiHeadAttention
+from attn.compat import CachePolicy
+
+from .reference import reference_attention
+
+
+@st.composite
+def attention_setups(draw: st.DrawFn) -> tuple[MultiHeadAttention, int, int]:
+    num_kv_heads = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([1, 2, 3]))  # MHA when 1, MQA when num_kv_heads is 1
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    embed_dim = draw(st.sampled_from([8, 16]))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    layer = MultiHeadAttention(
+        embed_dim=embed_dim,
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_seq_len=32,
+        rope_base=draw(st.sampled_from([10_000.0, 100.0])),
+    )
+    return layer, draw(st.integers(1, 3)), draw(st.integers(1, 10))
+
+
+@given(attention_setups())
+def test_uncached_matches_reference(setup: tuple[MultiHeadAttention, int, int]) -> None:
+    layer, b, s = setup
+    x = torch.randn(b, s, layer.embed_dim)
+    causal = torch.ones(s, s, dtype=torch.bool).tril().expand(b, s, s)
+    expected = reference_attention(x, layer, torch.arange(s).expand(b, s), causal)
+    torch.testing.assert_close(layer(x), expected.float(), rtol=1e-4, atol=1e-5)
+
+
+@given(attention_setups(), st.data())
+def test_explicit_mask_and_positions_match_reference(setup: tuple[MultiHeadAttention, int, int], data: st.DataObject) -> None:
+    layer, b, s = setup
+    x = torch.randn(b, s, layer.embed_dim)
+    positions = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 20), min_size=s, max_size=s), min_size=b, max_size=b)))
+    allowed = torch.tensor(data.draw(st.lists(st.lists(st.lists(st.booleans(), min_size=s, max_size=s), min_size=s, max_size=s), min_size=b, max_size=b)))
+    allowed |= torch.eye(s, dtype=torch.bool)  # keep every query attending to something
+    expected = reference_attention(x, layer, positions, allowed)
+    torch.testing.assert_close(layer(x, input_pos=positions, mask=allowed), expected.float(), rtol=1e-4, atol=1e-5)
+
+
+@given(attention_setups(), st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_cached_chunks_match_reference(setup: tuple[MultiHeadAttention, int, int], chunks: list[int]) -> None:
+    layer, b, _ = setup
+    total = sum(chunks)
+    x = torch.randn(b, total, layer.embed_dim)
+    layer.setup_cache(b, total + 2, dtype=torch.float32, device="cpu")
+    outputs, start = [], 0
+    with torch.no_grad():
+        for s in chunks:
+            outputs.append(layer(x[:, start : start + s], use_cache=True))
+            start += s
+    assert layer.kv_cache.size == total
+    causal = torch.ones(total, total, dtype=torch.bool).tril().expand(b, total, total)
+    expected = reference_attention(x, layer, torch.arange(total).expand(b, total), causal)
+    torch.testing.assert_close(torch.cat(outputs, 1), expected.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
+    layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
+    layer.setup_cache(1, 16, dtype=torch.float32, device="cpu")
+    with torch.inference_mode():
+        layer(torch.randn(1, 3, 8))
+    used = layer.kv_cache.size == 3
+    assert used is (policy is CachePolicy.INFERENCE)
+    layer.kv_cache.reset()
+    with attn.cached_inference(layer):
+        layer(torch.randn(1, 3, 8))
+    assert layer.kv_cache.size == 3  # the portable spelling caches under both policies
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(embed_dim=8, num_heads=3, num_kv_heads=2), r"num_heads \(3\) must be a positive multiple of num_kv_heads \(2\)"),
+        (dict(embed_dim=10, num_heads=4), r"embed_dim \(10\) is not divisible by num_heads \(4\); pass head_dim"),
+        (dict(embed_dim=8, num_heads=2, head_dim=3), r"RoPE needs an even head_dim, got 3"),
+    ],
+)
+def test_bad_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MultiHeadAttention(max_seq_len=8, **kwargs)
+
+
+def test_bad_mask_and_positions() -> None:
+    layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"mask must have shape \(2, 3, 3\) or \(3, 3\)"):
+        layer(x, mask=torch.ones(2, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        layer(x, mask=torch.ones(3, 3))
+    with pytest.raises(ValueError, match=r"input_pos must have shape \(3,\) or \(2, 3\)"):
+        layer(x, input_pos=torch.arange(4))
+    layer.setup_cache(2, 16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"\(2, 3, 16\) or \(3, 16\) \(last dim: the cache's max_seq_len\)"):
+        layer(x, mask=torch.ones(3, 3, dtype=torch.bool), use_cache=True)
+    assert layer.kv_cache.size == 0
+
+
+def test_cache_longer_than_rope_table_is_refused() -> None:
+    layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"cache max_seq_len \(17\) exceeds the 16 positions"):
+        layer.setup_cache(1, 17, dtype=torch.float32, device="cpu")

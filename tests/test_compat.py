@@ -1,0 +1,196 @@
+"""attn/compat.py: version parsing, the release table, policy resolution, warnings, probe."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attn
+from attn import compat
+from attn.compat import CachePolicy, CompatWarning, TorchVersion, parse_torch_version, release_support
+
+from .conftest import tiny_model
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2.13.0+cpu", TorchVersion(2, 13, 0, None, "cpu")),
+        ("2.16.0.dev20261101", TorchVersion(2, 16, 0, "dev20261101", None)),
+        ("2.6.0a0+git1234", TorchVersion(2, 6, 0, "a0", "git1234")),
+        ("2.7.0rc1", TorchVersion(2, 7, 0, "rc1", None)),
+        ("2.8.0+cu128", TorchVersion(2, 8, 0, None, "cu128")),
+        ("2.5.1", TorchVersion(2, 5, 1, None, None)),
+        ("2.10", TorchVersion(2, 10, 0, None, None)),
+        ("2.9.0a0.dev20250101+gitabc", TorchVersion(2, 9, 0, "a0.dev20250101", "gitabc")),
+    ],
+)
+def test_parse_torch_version(text: str, expected: TorchVersion) -> None:
+    assert parse_torch_version(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "two.six", "2", "2.x.0", "2.6.0 extra"])
+def test_parse_torch_version_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse torch version"):
+        parse_torch_version(text)
+
+
+@given(
+    st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30)),
+    st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30)),
+)
+def test_versions_compare_as_numbers(a: tuple[int, int, int], b: tuple[int, int, int]) -> None:
+    va, vb = parse_torch_version("%d.%d.%d+cpu" % a), parse_torch_version("%d.%d.%d" % b)
+    assert (va.release < vb.release) == (a < b)
+    assert parse_torch_version(str(va)) == va
+
+
+def test_two_ten_is_newer_than_two_eight() -> None:
+    assert parse_torch_version("2.10.0").release > parse_torch_version("2.8.0").release
+    assert release_support("2.10.0") is release_support("2.8.0")
+
+
+@pytest.mark.parametrize(
+    ("version", "traces", "policy"),
+    [
+        ("2.4.1", False, CachePolicy.FLAG),
+        ("2.5.1", False, CachePolicy.FLAG),
+        ("2.6.0", True, CachePolicy.FLAG),
+        ("2.6.0a0+git1234", True, CachePolicy.FLAG),
+        ("2.7.1", True, CachePolicy.FLAG),
+        ("2.8.0", False, CachePolicy.FLAG),
+        ("2.10.0", False, CachePolicy.FLAG),
+        ("2.13.0+cpu", False, CachePolicy.FLAG),
+        ("2.16.0.dev20261101", False, CachePolicy.FLAG),
+        ("3.0.0", False, CachePolicy.FLAG),
+    ],
+)
+def test_release_table(version: str, traces: bool, policy: CachePolicy) -> None:
+    row = release_support(version)
+    assert row.traces_is_inference is traces
+    assert row.default_policy is policy
+    assert row.reason
+
+
+def test_release_table_is_contiguous_and_total() -> None:
+    rows = compat.RELEASES
+    assert rows[0].first == (0, 0, 0) and rows[-1].last is None
+    for earlier, later in zip(rows, rows[1:]):
+        assert earlier.last == later.first
+    # INFERENCE may be a default only where compile can trace is_inference().
+    assert all(r.traces_is_inference for r in rows if r.default_policy is CachePolicy.INFERENCE)
+
+
+def test_default_policy_follows_table(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.delenv(compat.ENV_VAR, raising=False)
+    decision = compat.set_cache_policy(None)
+    row = release_support()
+    assert decision.source == "default"
+    assert decision.policy is row.default_policy
+    assert decision.reason == row.reason
+    assert decision.torch_version == parse_torch_version(torch.__version__)
+
+
+@pytest.mark.parametrize("value", ["inference", "FLAG", " flag "])
+def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None, value: str) -> None:
+    monkeypatch.setenv(compat.ENV_VAR, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompatWarning)
+        decision = compat.set_cache_policy(None)
+    assert decision.source == "environment"
+    assert decision.policy is CachePolicy(value.strip().lower())
+    assert compat.cache_policy() == decision
+
+
+def test_bad_environment_value_is_an_error(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.setenv(compat.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=r"ATTN_CACHE_POLICY is 'sometimes'.*'inference', 'flag'"):
+        compat.set_cache_policy(None)
+
+
+def test_override_beats_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.setenv(compat.ENV_VAR, "inference")
+    decision = compat.set_cache_policy("flag")
+    assert (decision.policy, decision.source) == (CachePolicy.FLAG, "override")
+    with pytest.raises(ValueError, match="not a cache policy"):
+        compat.set_cache_policy("never")
+    assert compat.cache_policy().policy is CachePolicy.FLAG  # a failed call changes nothing
+
+
+def test_flag_default_warns_once_at_cache_setup(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.delenv(compat.ENV_VAR, raising=False)
+    monkeypatch.setattr(compat, "_decision", compat.PolicyDecision(CachePolicy.FLAG, "default", "why", compat.torch_version()))
+    compat._reset_warnings()
+    model = tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.setup_caches(1, 8)
+        model.setup_caches(1, 8)
+        tiny_model(seed=1).setup_caches(2, 8)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CompatWarning)]
+    assert len(messages) == 1, messages
+    assert torch.__version__.split("+")[0] in messages[0]
+    assert "cached_inference" in messages[0] and "why" in messages[0]
+
+
+def test_no_setup_warning_when_policy_is_chosen(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.setenv(compat.ENV_VAR, "flag")
+    compat.set_cache_policy(None)
+    compat._reset_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_model().setup_caches(1, 8)
+    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
+
+
+@pytest.mark.skipif(release_support().traces_is_inference, reason="this release can compile is_inference()")
+def test_forcing_inference_where_it_cannot_compile_warns(restore_policy: None) -> None:
+    compat._reset_warnings()
+    with pytest.warns(CompatWarning, match="graph-break at every attention layer"):
+        compat.set_cache_policy("inference")
+
+
+def test_flag_policy_warns_once_when_inference_mode_is_ignored(restore_policy: None) -> None:
+    compat.set_cache_policy("flag")
+    compat._reset_warnings()
+    model = tiny_model()
+    model.setup_caches(1, 16)
+    tokens = torch.randint(0, 61, (1, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.inference_mode():
+            model(tokens)
+            model(tokens)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CompatWarning)]
+    assert len(messages) == 1 and "did not use or change the cache" in messages[0]
+    assert model.kv_caches()[0].size == 0
+    compat._reset_warnings()
+    with warnings.catch_warnings(record=True) as caught:  # disable_kv_cache is a deliberate choice
+        warnings.simplefilter("always")
+        with torch.inference_mode(), attn.disable_kv_cache(model):
+            model(tokens)
+    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
+
+
+def test_compat_warning_is_a_filterable_user_warning() -> None:
+    assert issubclass(CompatWarning, UserWarning)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_probe_agrees_with_release_table(backend: str) -> None:
+    result = compat.probe_is_inference_trace(backend)
+    row = release_support()
+    assert result.traced is row.traces_is_inference, result.error
+    assert (result.error is None) is result.traced
+
+
+def test_report_names_version_policy_and_reason() -> None:
+    report = compat.compat_report()
+    decision = compat.cache_policy()
+    assert torch.__version__ in report
+    assert decision.policy.value in report and decision.reason in report
+    assert compat.ENV_VAR in report

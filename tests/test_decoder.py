@@ -1,0 +1,216 @@
+"""attn/decoder.py: the reference decoder, its caches, and its bad-input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attn
+from attn import DecoderConfig, TransformerDecoder, padded_causal_mask, padding_positions
+
+from .conftest import assert_cache_unchanged, cache_state, tiny_config, tiny_model
+from .reference import reference_decoder
+
+
+@st.composite
+def decoder_setups(draw: st.DrawFn) -> dict:
+    num_kv_heads = draw(st.sampled_from([1, 2, 4]))
+    return dict(
+        num_kv_heads=num_kv_heads,
+        num_heads=num_kv_heads * draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        tie_embeddings=draw(st.booleans()),
+        rope_base=draw(st.sampled_from([10_000.0, 500_000.0])),
+    )
+
+
+@given(decoder_setups(), st.integers(1, 3), st.integers(1, 12))
+def test_matches_naive_reference(setup: dict, batch: int, seq_len: int) -> None:
+    model = tiny_model(**setup)
+    tokens = torch.randint(0, 61, (batch, seq_len))
+    torch.testing.assert_close(model(tokens), reference_decoder(model, tokens).float(), rtol=1e-4, atol=1e-4)
+
+
+@given(
+    setup=decoder_setups(),
+    batch=st.integers(1, 3),
+    prompt_len=st.integers(1, 12),
+    decode_steps=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_cached_prefill_and_decode_equal_one_uncached_forward(
+    setup: dict, batch: int, prompt_len: int, decode_steps: int, seed: int
+) -> None:
+    model = tiny_model(seed, **setup)
+    total = prompt_len + decode_steps
+    tokens = torch.randint(0, 61, (batch, total))
+    with torch.no_grad():
+        expected = model(tokens)
+    model.setup_caches(batch, total + 3)
+    with attn.cached_inference(model):
+        pieces = [model(tokens[:, :prompt_len])]
+        pieces += [model(tokens[:, i : i + 1]) for i in range(prompt_len, total)]
+    assert model.kv_caches()[0].size == total
+    torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_caches_set_up_but_unused_equal_no_caches_at_all() -> None:
+    plain, cached = tiny_model(3), tiny_model(3)
+    cached.setup_caches(2, 32)
+    with attn.cached_inference(cached):
+        cached(torch.randint(0, 61, (2, 5)))  # leave something in the cache
+    tokens = torch.randint(0, 61, (2, 9))
+    assert torch.equal(plain(tokens), cached(tokens))  # grad-enabled
+    with torch.no_grad():
+        assert torch.equal(plain(tokens), cached(tokens))
+    with torch.inference_mode(), attn.disable_kv_cache(cached):
+        assert torch.equal(plain(tokens), cached(tokens))
+
+
+def test_padded_batch_scores_like_each_row_alone() -> None:
+    model = tiny_model(4)
+    rows = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]
+    width = max(map(len, rows))
+    tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    padding = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    with torch.no_grad():
+        batched = model(tokens, input_pos=padding_positions(padding), mask=padded_causal_mask(padding))
+        for i, row in enumerate(rows):
+            alone = model(torch.tensor([row]))
+            torch.testing.assert_close(batched[i, width - len(row) :], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batched, reference_decoder(model, tokens, padding).float(), rtol=1e-4, atol=1e-4)
+
+
+def test_setup_again_replaces_caches_and_state_dict_has_none() -> None:
+    model = tiny_model()
+    keys = set(model.state_dict())
+    model.setup_caches(2, 16)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (2, 4)))
+    model.setup_caches(3, 24)
+    caches = model.kv_caches()
+    assert len(caches) == model.config.num_layers
+    assert all((c.batch_size, c.max_seq_len, c.size) == (3, 24, 0) for c in caches)
+    assert set(model.state_dict()) == keys
+
+
+def test_cache_dtype_defaults_to_model_dtype_and_can_be_chosen() -> None:
+    model = tiny_model().to(torch.bfloat16)
+    model.setup_caches(1, 8)
+    assert model.kv_caches()[0].k_cache.dtype == torch.bfloat16
+    model.setup_caches(1, 8, dtype=torch.float32)
+    assert model.kv_caches()[0].k_cache.dtype == torch.float32
+
+
+def test_caches_set_up_in_inference_mode_are_normal_tensors() -> None:
+    model = tiny_model()
+    with torch.inference_mode():
+        model.setup_caches(1, 8)
+        with attn.kv_cache_mode(model):
+            model(torch.randint(0, 61, (1, 3)))
+    assert not any(c.k_cache.is_inference() for c in model.kv_caches())
+    model.reset_caches()  # outside inference mode: must not raise
+    assert all(c.size == 0 for c in model.kv_caches())
+    with torch.inference_mode():
+        model.reset_caches()
+
+
+def test_teardown() -> None:
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    old = model.kv_caches()[0]
+    model.teardown_caches()
+    assert not model.caches_are_setup() and model.kv_caches() == []
+    with pytest.raises(RuntimeError, match="torn down"):
+        old.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    with pytest.raises(RuntimeError, match="caches are not set up"):
+        model.reset_caches()
+    with torch.inference_mode():
+        model(torch.randint(0, 61, (1, 3)))  # plain causal attention
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a positive multiple of num_kv_heads \(3\)"),
+        (dict(embed_dim=30, num_heads=4), r"embed_dim \(30\) is not divisible by num_heads \(4\)"),
+        (dict(vocab_size=0), r"DecoderConfig.vocab_size must be a positive int, got 0"),
+        (dict(max_seq_len=-2), r"DecoderConfig.max_seq_len must be a positive int, got -2"),
+        (dict(head_dim=5), r"head_dim must be a positive even int"),
+        (dict(norm_eps=0.0), r"norm_eps \(0.0\) and rope_base"),
+    ],
+)
+def test_bad_config(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "message"),
+    [
+        (torch.tensor([[1, 2, 61]]), ValueError, r"token ids must be in \[0, 61\), got min 1 and max 61"),
+        (torch.tensor([[-1, 2]]), ValueError, r"got min -1"),
+        (torch.tensor([[1.0, 2.0]]), ValueError, r"integer ids \(torch.long\), got dtype torch.float32"),
+        (torch.tensor([1, 2]), ValueError, r"shape \(batch, seq_len\), got \(2,\); use tokens\[None\]"),
+        (torch.zeros(1, 0, dtype=torch.long), ValueError, r"no positions"),
+        ([[1, 2]], TypeError, r"must be a torch.Tensor"),
+    ],
+)
+def test_bad_tokens_change_nothing(tokens: object, error: type, message: str) -> None:
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    before = cache_state(model)
+    with pytest.raises(error, match=message), attn.cached_inference(model):
+        model(tokens)
+    assert_cache_unchanged(model, before)
+
+
+def test_batch_mismatch_with_cache() -> None:
+    model = tiny_model()
+    model.setup_caches(2, 8)
+    before = cache_state(model)
+    with pytest.raises(ValueError, match=r"batch size 3 does not match the KV-cache batch size 2"), attn.cached_inference(model):
+        model(torch.randint(0, 61, (3, 2)))
+    assert_cache_unchanged(model, before)
+
+
+def test_overflow_leaves_every_layer_unchanged() -> None:
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (1, 6)))
+        before = cache_state(model)
+        with pytest.raises(RuntimeError, match=r"holds 6 tokens, 3 more do not fit in its capacity of 8"):
+            model(torch.randint(0, 61, (1, 3)))
+    assert_cache_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, 8), r"batch_size must be a positive int, got 0"),
+        ((1, 0), r"max_seq_len must be a positive int, got 0"),
+        ((1.5, 8), r"batch_size must be a positive int, got 1.5"),
+        ((1, 65), r"max_seq_len \(65\) exceeds the model's max_seq_len \(64"),
+    ],
+)
+def test_bad_setup_sizes_keep_old_caches(args: tuple, message: str) -> None:
+    model = tiny_model()
+    model.setup_caches(2, 8)
+    old = model.kv_caches()
+    with pytest.raises(ValueError, match=message):
+        model.setup_caches(*args)
+    assert model.kv_caches() == old
+
+
+def test_config_is_frozen_and_derives_head_dim() -> None:
+    config = DecoderConfig(vocab_size=10, embed_dim=32, num_layers=1, num_heads=4, hidden_dim=8, max_seq_len=8)
+    assert (config.head_dim, config.num_kv_heads) == (8, 4)
+    with pytest.raises(AttributeError):
+        config.embed_dim = 64  # type: ignore[misc]
+    assert isinstance(TransformerDecoder(config).layers[0].attn, attn.MultiHeadAttention)
