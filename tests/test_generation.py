@@ -1,0 +1,160 @@
+"""attn/generation.py against a decode loop that recomputes the whole sequence each step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attn
+from attn import generate, padded_causal_mask
+from attn.compat import CachePolicy
+
+from .conftest import assert_cache_unchanged, cache_state, tiny_model
+
+
+def naive_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding with no cache: a full forward over the sequence for every token."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt) :]
+
+
+prompts_strategy = st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=7), min_size=1, max_size=4)
+
+
+@given(prompts=prompts_strategy, steps=st.integers(1, 6))
+def test_batched_greedy_equals_each_prompt_alone_and_naive_loop(prompts: list[list[int]], steps: int) -> None:
+    model = tiny_model(5)
+    out = generate(model, prompts, max_new_tokens=steps)
+    for i, prompt in enumerate(prompts):
+        alone = generate(model, [prompt], max_new_tokens=steps)
+        assert out.generated[i].tolist() == alone.generated[0].tolist()
+        assert out.generated[i].tolist() == naive_greedy(model, prompt, steps)
+
+
+def test_generates_under_both_policies(policy: CachePolicy) -> None:
+    model = tiny_model(6)
+    out = generate(model, [[3, 4, 5], [7]], max_new_tokens=5)
+    assert out.generated[0].tolist() == naive_greedy(model, [3, 4, 5], 5)
+    assert out.generated[1].tolist() == naive_greedy(model, [7], 5)
+
+
+def test_output_layout_and_logprobs_match_an_uncached_rescore() -> None:
+    model = tiny_model(7)
+    out = generate(model, [[3, 4, 5, 6], [8, 9]], max_new_tokens=4, return_logits=True)
+    assert out.prompt_length == 4 and out.tokens.shape == (2, 8)
+    assert out.tokens[1, :2].tolist() == [0, 0] and out.padding_mask[1].tolist() == [False, False] + [True] * 6
+    assert out.positions[1].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+    with torch.no_grad():
+        logits = model(out.tokens, input_pos=out.positions, mask=padded_causal_mask(out.padding_mask))
+    predicting = logits[:, out.prompt_length - 1 : -1]  # (b, N, v): the logits that chose each new token
+    torch.testing.assert_close(out.logits, predicting, rtol=1e-4, atol=1e-4)
+    expected = predicting.log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_results_are_ordinary_tensors_that_feed_a_training_step() -> None:
+    model = tiny_model(8)
+    out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=3, return_logits=True)
+    for tensor in (out.tokens, out.padding_mask, out.positions, out.logprobs, out.logits):
+        assert not tensor.is_inference()
+    model.train()
+    logits = model(out.tokens, input_pos=out.positions, mask=padded_causal_mask(out.padding_mask))
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), out.tokens[:, 1:].flatten())
+    loss.backward()  # "Inference tensors cannot be saved for backward" would raise here
+    assert model.tok_embeddings.weight.grad is not None
+
+
+def test_stop_tokens_end_each_row_on_its_own() -> None:
+    model = tiny_model(9)
+    free = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=6)
+    stop = int(free.generated[0, 2])
+    rows_hit = [row.index(stop) if stop in row else None for row in free.generated.tolist()]
+    out = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=6, stop_tokens=[stop], pad_id=60)
+    for i, hit in enumerate(rows_hit):
+        generated, mask = out.generated[i].tolist(), out.generated_mask[i].tolist()
+        if hit is None:
+            assert generated == free.generated[i].tolist() and all(mask)
+        else:
+            assert generated[: hit + 1] == free.generated[i, : hit + 1].tolist()
+            assert generated[hit + 1 :] == [60] * (5 - hit)
+            assert mask == [True] * (hit + 1) + [False] * (5 - hit)
+            assert (out.logprobs[i, hit + 1 :] == 0).all()
+
+
+def test_sampling_is_reproducible_and_respects_top_k() -> None:
+    model = tiny_model(10)
+    draws = [
+        generate(model, [[1, 2]], max_new_tokens=8, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(s))
+        for s in (0, 0, 1)
+    ]
+    assert torch.equal(draws[0].tokens, draws[1].tokens)
+    with torch.no_grad():
+        logits = model(draws[2].tokens)[0, 1:-1]  # the logits behind each drawn token
+    allowed = logits.topk(3, dim=-1).indices
+    assert all(t in a for t, a in zip(draws[2].generated[0].tolist(), allowed.tolist()))
+    greedy = generate(model, [[1, 2]], max_new_tokens=8)
+    top1 = generate(model, [[1, 2]], max_new_tokens=8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(greedy.tokens, top1.tokens)
+
+
+def test_sets_up_its_own_cache_and_tears_it_down() -> None:
+    model = tiny_model()
+    generate(model, [[1, 2, 3]], max_new_tokens=4)
+    assert not model.caches_are_setup()
+
+
+def test_uses_and_resets_existing_caches() -> None:
+    model = tiny_model(11)
+    model.setup_caches(2, 20)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (2, 9)))  # stale content: generate must reset it
+    out = generate(model, [[1, 2, 3], [4]], max_new_tokens=4)
+    assert model.caches_are_setup() and model.kv_caches()[0].size == 3 + 4 - 1
+    assert out.generated[0].tolist() == naive_greedy(model, [1, 2, 3], 4)
+
+
+def test_compiled_model_generates_the_same_tokens() -> None:
+    model = tiny_model(12)
+    compiled = torch.compile(model, backend="eager")
+    eager = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    assert torch.equal(generate(compiled, [[1, 2, 3], [4, 5]], max_new_tokens=5).tokens, eager.tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "message"),
+    [
+        ([[1] * 60], dict(max_new_tokens=5), r"longest prompt \(60 tokens\) plus max_new_tokens \(5\) is 65, more than the model's max_seq_len \(64\)"),
+        ([[1, 2], []], dict(max_new_tokens=2), r"prompts \[1\] are empty"),
+        ([], dict(max_new_tokens=2), r"at least one prompt"),
+        ([[1, 2]], dict(max_new_tokens=0), r"max_new_tokens must be a positive int, got 0"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature=-1.0), r"temperature must be >= 0"),
+        ([[1, 2]], dict(max_new_tokens=2, top_k=0), r"top_k must be None or an int in \[1, 61\], got 0"),
+        ([[1, 2]], dict(max_new_tokens=2, stop_tokens=[61]), r"stop_tokens and pad_id must be ids in \[0, 61\), got \[61\]"),
+        ([[1, 2]], dict(max_new_tokens=2, pad_id=-1), r"got \[-1\]"),
+        ([[1, 99]], dict(max_new_tokens=2), r"prompt token ids must be in \[0, 61\), got min 1 and max 99"),
+        (torch.ones(3, dtype=torch.long), dict(max_new_tokens=2), r"must be \(batch, seq_len\)"),
+    ],
+)
+def test_bad_arguments(prompts: object, kwargs: dict, message: str) -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, **kwargs)
+    assert not model.caches_are_setup()
+
+
+def test_existing_cache_too_small_is_refused_before_reset() -> None:
+    model = tiny_model()
+    model.setup_caches(2, 6)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (2, 2)))
+    before = cache_state(model)
+    with pytest.raises(ValueError, match=r"need a cache of batch_size 2 and max_seq_len >= 8, but the model's cache has batch_size 2 and max_seq_len 6"):
+        generate(model, [[1, 2, 3], [4]], max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"batch_size 1 and max_seq_len >= 4, but the model's cache has batch_size 2"):
+        generate(model, [[1, 2]], max_new_tokens=2)
+    assert_cache_unchanged(model, before)
