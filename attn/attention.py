@@ -60,14 +60,10 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         if head_dim is None:
             if embed_dim % num_heads:
-                raise ValueError(
-                    f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); pass head_dim"
-                )
+                raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
             head_dim = embed_dim // num_heads
         self.embed_dim = embed_dim
         self.num_heads = num_heads

@@ -362,7 +362,7 @@ def probe_is_inference_trace(backend: str = "eager") -> ProbeResult:
         with torch.no_grad():
             compiled(torch.arange(4.0), buffer)
         wrote_under_no_grad = bool(buffer.any())
-    except Exception as error:  # noqa: BLE001 - any failure to trace is the answer
+    except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return ProbeResult(False, backend, f"{type(error).__module__}.{type(error).__name__}: {first_line}")
     if not wrote_under_inference or wrote_under_no_grad:

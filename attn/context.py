@@ -6,8 +6,8 @@ innermost one wins.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import contextlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -52,7 +52,7 @@ def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
-        for layer, mode_before in zip(layers, previous):
+        for layer, mode_before in zip(layers, previous, strict=True):
             layer.cache_mode = mode_before
 
 

@@ -65,8 +65,7 @@ class DecoderConfig:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim is None:
             if self.embed_dim % self.num_heads:
@@ -197,9 +196,7 @@ class TransformerDecoder(nn.Module):
             )
         weight = self.tok_embeddings.weight
         for attention in self._attention():
-            attention.setup_cache(
-                batch_size, max_seq_len, dtype=dtype or weight.dtype, device=device or weight.device
-            )
+            attention.setup_cache(batch_size, max_seq_len, dtype=dtype or weight.dtype, device=device or weight.device)
         compat.warn_on_cache_setup()
 
     def caches_are_setup(self) -> bool:

@@ -189,7 +189,18 @@ def generate(
     if owns_cache:
         model.setup_caches(b, total)
     try:
-        steps = _decode(model, prompt_tokens, prompt_mask, max_new_tokens, temperature, top_k, stops, pad_id, generator, return_logits)
+        steps = _decode(
+            model,
+            prompt_tokens,
+            prompt_mask,
+            max_new_tokens,
+            temperature,
+            top_k,
+            stops,
+            pad_id,
+            generator,
+            return_logits,
+        )
     finally:
         if owns_cache:
             model.teardown_caches()

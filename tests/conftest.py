@@ -34,9 +34,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 def tiny_config(**overrides: object) -> attn.DecoderConfig:
     """A decoder small enough for many examples on two CPU cores."""
-    fields = dict(
-        vocab_size=61, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64
-    )
+    fields = dict(vocab_size=61, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64)
     fields.update(overrides)
     return attn.DecoderConfig(**fields)
 
@@ -60,7 +58,7 @@ def cache_state(model: attn.TransformerDecoder) -> list[tuple[torch.Tensor, torc
 def assert_cache_unchanged(model: attn.TransformerDecoder, before: list) -> None:
     after = cache_state(model)
     assert len(after) == len(before)
-    for (k0, v0, p0), (k1, v1, p1) in zip(before, after):
+    for (k0, v0, p0), (k1, v1, p1) in zip(before, after, strict=True):
         assert torch.equal(p0, p1), f"fill position changed: {int(p0)} -> {int(p1)}"
         assert torch.equal(k0, k1) and torch.equal(v0, v1), "cache contents changed"
         assert not k1.requires_grad and k1.grad_fn is None, "cache holds autograd history"

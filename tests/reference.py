@@ -51,7 +51,9 @@ def reference_attention(
     return out.reshape(b, s, h * d) @ attention.o_proj.weight.double().T
 
 
-def reference_decoder(model: torch.nn.Module, tokens: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+def reference_decoder(
+    model: torch.nn.Module, tokens: torch.Tensor, padding: torch.Tensor | None = None
+) -> torch.Tensor:
     """Full recomputation of a TransformerDecoder's logits, float64, no cache.
 
     ``padding`` (b, s) bool marks real tokens of a left-padded batch (default: all real).

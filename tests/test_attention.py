@@ -42,11 +42,23 @@ def test_uncached_matches_reference(setup: tuple[MultiHeadAttention, int, int]) 
 
 
 @given(attention_setups(), st.data())
-def test_explicit_mask_and_positions_match_reference(setup: tuple[MultiHeadAttention, int, int], data: st.DataObject) -> None:
+def test_explicit_mask_and_positions_match_reference(
+    setup: tuple[MultiHeadAttention, int, int], data: st.DataObject
+) -> None:
     layer, b, s = setup
     x = torch.randn(b, s, layer.embed_dim)
-    positions = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 20), min_size=s, max_size=s), min_size=b, max_size=b)))
-    allowed = torch.tensor(data.draw(st.lists(st.lists(st.lists(st.booleans(), min_size=s, max_size=s), min_size=s, max_size=s), min_size=b, max_size=b)))
+    positions = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, 20), min_size=s, max_size=s), min_size=b, max_size=b))
+    )
+    allowed = torch.tensor(
+        data.draw(
+            st.lists(
+                st.lists(st.lists(st.booleans(), min_size=s, max_size=s), min_size=s, max_size=s),
+                min_size=b,
+                max_size=b,
+            )
+        )
+    )
     allowed |= torch.eye(s, dtype=torch.bool)  # keep every query attending to something
     expected = reference_attention(x, layer, positions, allowed)
     torch.testing.assert_close(layer(x, input_pos=positions, mask=allowed), expected.float(), rtol=1e-4, atol=1e-5)
@@ -85,7 +97,10 @@ def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(embed_dim=8, num_heads=3, num_kv_heads=2), r"num_heads \(3\) must be a positive multiple of num_kv_heads \(2\)"),
+        (
+            dict(embed_dim=8, num_heads=3, num_kv_heads=2),
+            r"num_heads \(3\) must be a positive multiple of num_kv_heads \(2\)",
+        ),
         (dict(embed_dim=10, num_heads=4), r"embed_dim \(10\) is not divisible by num_heads \(4\); pass head_dim"),
         (dict(embed_dim=8, num_heads=2, head_dim=3), r"RoPE needs an even head_dim, got 3"),
     ],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -44,7 +45,7 @@ def test_parse_torch_version_rejects_garbage(text: str) -> None:
     st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30)),
 )
 def test_versions_compare_as_numbers(a: tuple[int, int, int], b: tuple[int, int, int]) -> None:
-    va, vb = parse_torch_version("%d.%d.%d+cpu" % a), parse_torch_version("%d.%d.%d" % b)
+    va, vb = parse_torch_version("{}.{}.{}+cpu".format(*a)), parse_torch_version("{}.{}.{}".format(*b))
     assert (va.release < vb.release) == (a < b)
     assert parse_torch_version(str(va)) == va
 
@@ -79,7 +80,7 @@ def test_release_table(version: str, traces: bool, policy: CachePolicy) -> None:
 def test_release_table_is_contiguous_and_total() -> None:
     rows = compat.RELEASES
     assert rows[0].first == (0, 0, 0) and rows[-1].last is None
-    for earlier, later in zip(rows, rows[1:]):
+    for earlier, later in itertools.pairwise(rows):
         assert earlier.last == later.first
     # INFERENCE may be a default only where compile can trace is_inference().
     assert all(r.traces_is_inference for r in rows if r.default_policy is CachePolicy.INFERENCE)
@@ -123,7 +124,9 @@ def test_override_beats_environment(monkeypatch: pytest.MonkeyPatch, restore_pol
 
 def test_flag_default_warns_once_at_cache_setup(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
     monkeypatch.delenv(compat.ENV_VAR, raising=False)
-    monkeypatch.setattr(compat, "_decision", compat.PolicyDecision(CachePolicy.FLAG, "default", "why", compat.torch_version()))
+    monkeypatch.setattr(
+        compat, "_decision", compat.PolicyDecision(CachePolicy.FLAG, "default", "why", compat.torch_version())
+    )
     compat._reset_warnings()
     model = tiny_model()
     with warnings.catch_warnings(record=True) as caught:

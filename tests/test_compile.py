@@ -14,7 +14,6 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 import attn
-from attn.compat import CachePolicy
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 

@@ -73,9 +73,8 @@ def test_cached_inference_enters_inference_mode() -> None:
 
 def test_flag_on_without_caches_is_an_error() -> None:
     model = tiny_model()
-    with pytest.raises(RuntimeError, match=r"needs caches: call model.setup_caches"):
-        with attn.kv_cache_mode(model):
-            pass
+    with pytest.raises(RuntimeError, match=r"needs caches: call model.setup_caches"), attn.kv_cache_mode(model):
+        pass
     with pytest.raises(RuntimeError, match=r"needs caches"), attn.cached_inference(model):
         pass
     assert modes(model) == {None} and not torch.is_inference_mode_enabled()
@@ -87,7 +86,10 @@ def test_bad_mode_and_module() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match=r"mode must be True or False, got 'yes'"), attn.kv_cache_mode(model, "yes"):
         pass
-    with pytest.raises(ValueError, match=r"Linear has no attn.MultiHeadAttention layers"), attn.disable_kv_cache(torch.nn.Linear(2, 2)):
+    with (
+        pytest.raises(ValueError, match=r"Linear has no attn.MultiHeadAttention layers"),
+        attn.disable_kv_cache(torch.nn.Linear(2, 2)),
+    ):
         pass
 
 
@@ -108,6 +110,9 @@ def test_local_kv_cache_refuses_to_drop_existing_caches() -> None:
     model = tiny_model()
     model.setup_caches(1, 8)
     old = model.kv_caches()
-    with pytest.raises(RuntimeError, match="already has caches set up"), attn.local_kv_cache(model, batch_size=1, max_seq_len=4):
+    with (
+        pytest.raises(RuntimeError, match="already has caches set up"),
+        attn.local_kv_cache(model, batch_size=1, max_seq_len=4),
+    ):
         pass
     assert model.kv_caches() == old

@@ -174,7 +174,10 @@ def test_batch_mismatch_with_cache() -> None:
     model = tiny_model()
     model.setup_caches(2, 8)
     before = cache_state(model)
-    with pytest.raises(ValueError, match=r"batch size 3 does not match the KV-cache batch size 2"), attn.cached_inference(model):
+    with (
+        pytest.raises(ValueError, match=r"batch size 3 does not match the KV-cache batch size 2"),
+        attn.cached_inference(model),
+    ):
         model(torch.randint(0, 61, (3, 2)))
     assert_cache_unchanged(model, before)
 

@@ -89,16 +89,20 @@ def test_stop_tokens_end_each_row_on_its_own() -> None:
 def test_sampling_is_reproducible_and_respects_top_k() -> None:
     model = tiny_model(10)
     draws = [
-        generate(model, [[1, 2]], max_new_tokens=8, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(s))
+        generate(
+            model, [[1, 2]], max_new_tokens=8, temperature=1.5, top_k=3, generator=torch.Generator().manual_seed(s)
+        )
         for s in (0, 0, 1)
     ]
     assert torch.equal(draws[0].tokens, draws[1].tokens)
     with torch.no_grad():
         logits = model(draws[2].tokens)[0, 1:-1]  # the logits behind each drawn token
     allowed = logits.topk(3, dim=-1).indices
-    assert all(t in a for t, a in zip(draws[2].generated[0].tolist(), allowed.tolist()))
+    assert all(t in a for t, a in zip(draws[2].generated[0].tolist(), allowed.tolist(), strict=True))
     greedy = generate(model, [[1, 2]], max_new_tokens=8)
-    top1 = generate(model, [[1, 2]], max_new_tokens=8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(3))
+    top1 = generate(
+        model, [[1, 2]], max_new_tokens=8, temperature=0.7, top_k=1, generator=torch.Generator().manual_seed(3)
+    )
     assert torch.equal(greedy.tokens, top1.tokens)
 
 
@@ -128,13 +132,21 @@ def test_compiled_model_generates_the_same_tokens() -> None:
 @pytest.mark.parametrize(
     ("prompts", "kwargs", "message"),
     [
-        ([[1] * 60], dict(max_new_tokens=5), r"longest prompt \(60 tokens\) plus max_new_tokens \(5\) is 65, more than the model's max_seq_len \(64\)"),
+        (
+            [[1] * 60],
+            dict(max_new_tokens=5),
+            r"longest prompt \(60 tokens\) plus max_new_tokens \(5\) is 65, more than the model's max_seq_len \(64\)",
+        ),
         ([[1, 2], []], dict(max_new_tokens=2), r"prompts \[1\] are empty"),
         ([], dict(max_new_tokens=2), r"at least one prompt"),
         ([[1, 2]], dict(max_new_tokens=0), r"max_new_tokens must be a positive int, got 0"),
         ([[1, 2]], dict(max_new_tokens=2, temperature=-1.0), r"temperature must be >= 0"),
         ([[1, 2]], dict(max_new_tokens=2, top_k=0), r"top_k must be None or an int in \[1, 61\], got 0"),
-        ([[1, 2]], dict(max_new_tokens=2, stop_tokens=[61]), r"stop_tokens and pad_id must be ids in \[0, 61\), got \[61\]"),
+        (
+            [[1, 2]],
+            dict(max_new_tokens=2, stop_tokens=[61]),
+            r"stop_tokens and pad_id must be ids in \[0, 61\), got \[61\]",
+        ),
         ([[1, 2]], dict(max_new_tokens=2, pad_id=-1), r"got \[-1\]"),
         ([[1, 99]], dict(max_new_tokens=2), r"prompt token ids must be in \[0, 61\), got min 1 and max 99"),
         (torch.ones(3, dtype=torch.long), dict(max_new_tokens=2), r"must be \(batch, seq_len\)"),
@@ -153,7 +165,11 @@ def test_existing_cache_too_small_is_refused_before_reset() -> None:
     with attn.cached_inference(model):
         model(torch.randint(0, 61, (2, 2)))
     before = cache_state(model)
-    with pytest.raises(ValueError, match=r"need a cache of batch_size 2 and max_seq_len >= 8, but the model's cache has batch_size 2 and max_seq_len 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"need a cache of batch_size 2 and max_seq_len >= 8, but the model's cache has "
+        r"batch_size 2 and max_seq_len 6",
+    ):
         generate(model, [[1, 2, 3], [4]], max_new_tokens=5)
     with pytest.raises(ValueError, match=r"batch_size 1 and max_seq_len >= 4, but the model's cache has batch_size 2"):
         generate(model, [[1, 2]], max_new_tokens=2)

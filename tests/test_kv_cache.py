@@ -21,7 +21,7 @@ def test_updates_concatenate_at_fill_position(chunks: list[int], batch: int) -> 
     ks, vs = [], []
     for i, s in enumerate(chunks):
         k, v = _kv(batch, 2, s, 4, seed=i)
-        k_all, v_all = cache.update(k, v)
+        k_all, _ = cache.update(k, v)
         ks.append(k)
         vs.append(v)
         assert k_all.shape == (batch, 2, sum(chunks) + 3, 4)

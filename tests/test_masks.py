@@ -20,9 +20,9 @@ def left_padded(draw: st.DrawFn) -> torch.Tensor:
 @given(left_padded())
 def test_positions_count_real_tokens(mask: torch.Tensor) -> None:
     positions = padding_positions(mask)
-    for row, pos in zip(mask.tolist(), positions.tolist()):
+    for row, pos in zip(mask.tolist(), positions.tolist(), strict=True):
         count = 0
-        for real, p in zip(row, pos):
+        for real, p in zip(row, pos, strict=True):
             if real:
                 assert p == count
                 count += 1

@@ -11,8 +11,6 @@ from attn.rope import RotaryEmbedding
 from .reference import reference_rope
 
 
-
-
 @given(
     head_dim=st.sampled_from([2, 4, 8, 16]),
     seq_len=st.integers(1, 9),

@@ -169,7 +169,11 @@ class CacheMachine(RuleBasedStateMachine):
         grad = kind == "grad" and not inference
         new = self._tokens(1, seed)
         before = cache_state(self.model)
-        kind_manager = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": contextlib.nullcontext}
+        kind_manager = {
+            "inference_mode": torch.inference_mode,
+            "no_grad": torch.no_grad,
+            "grad": contextlib.nullcontext,
+        }
         with contextlib.ExitStack() as exits, warnings.catch_warnings():
             warnings.simplefilter("ignore", attn.CompatWarning)
             for name in stack:
@@ -184,9 +188,11 @@ class CacheMachine(RuleBasedStateMachine):
                     raise AssertionError("a grad-enabled pass with the flag on did not raise")
                 uses = False
             else:
-                uses = self.model.caches_are_setup() and (
-                    (inference and not grad) if self.policy is CachePolicy.INFERENCE else flag
-                ) and stack[-1] not in ("kv_cache_mode(False)", "disable_kv_cache")
+                uses = (
+                    self.model.caches_are_setup()
+                    and ((inference and not grad) if self.policy is CachePolicy.INFERENCE else flag)
+                    and stack[-1] not in ("kv_cache_mode(False)", "disable_kv_cache")
+                )
                 if uses and self._fill() + 1 > self.capacity:
                     try:
                         self.model(new)
