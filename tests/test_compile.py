@@ -142,3 +142,18 @@ def test_inductor_keeps_the_cache_mutable(restore_policy: None) -> None:
     second = attn.generate(compiled, [[7, 8], [9, 10, 11]], max_new_tokens=6)
     assert torch.equal(first.tokens, attn.generate(model, prompts, max_new_tokens=6).tokens)
     assert torch.equal(second.tokens, attn.generate(model, [[7, 8], [9, 10, 11]], max_new_tokens=6).tokens)
+
+
+def test_compiled_overflow_is_refused_and_leaves_the_cache_unchanged(restore_policy: None) -> None:
+    """Compiled code cannot read the fill position for the friendly check; the write itself
+    is bounds-checked before anything lands (IndexError from index_copy_)."""
+    attn.compat.set_cache_policy("flag")
+    model = tiny_model(6)
+    model.setup_caches(1, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with attn.cached_inference(model):
+        compiled(torch.randint(0, 61, (1, 6)))
+        before = cache_state(model)
+        with pytest.raises(IndexError, match="out of bounds"):
+            compiled(torch.randint(0, 61, (1, 3)))
+    assert_cache_unchanged(model, before)
