@@ -6,6 +6,7 @@ untouched, with no work from the user. See README.md for the policy by torch rel
 
 from attn import compat
 from attn.attention import MultiHeadAttention
+from attn.checkpoint import load_pretrained
 from attn.compat import CachePolicy, CompatWarning, cache_policy
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
@@ -29,6 +30,7 @@ __all__ = [
     "disable_kv_cache",
     "generate",
     "kv_cache_mode",
+    "load_pretrained",
     "local_kv_cache",
     "padded_causal_mask",
     "padding_positions",

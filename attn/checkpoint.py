@@ -12,13 +12,13 @@ names the option, never loaded as a silently different model.
 
 Tensor names, Hugging Face -> attn (i = layer index)::
 
-    model.embed_tokens.weight                     tok_embeddings.weight
-    model.layers.i.input_layernorm.weight         layers.i.attn_norm.weight
-    model.layers.i.self_attn.{q,k,v,o}_proj.weight layers.i.attn.{q,k,v,o}_proj.weight
-    model.layers.i.post_attention_layernorm.weight layers.i.mlp_norm.weight
-    model.layers.i.mlp.{gate,up,down}_proj.weight layers.i.mlp.{gate,up,down}_proj.weight
-    model.norm.weight                             norm.weight
-    lm_head.weight                                output.weight (absent when tied)
+    model.embed_tokens.weight                       tok_embeddings.weight
+    model.layers.i.input_layernorm.weight           layers.i.attn_norm.weight
+    model.layers.i.self_attn.{q,k,v,o}_proj.weight  layers.i.attn.{q,k,v,o}_proj.weight
+    model.layers.i.post_attention_layernorm.weight  layers.i.mlp_norm.weight
+    model.layers.i.mlp.{gate,up,down}_proj.weight   layers.i.mlp.{gate,up,down}_proj.weight
+    model.norm.weight                               norm.weight
+    lm_head.weight                                  output.weight (absent when tied)
 
 Both layouts store linear weights as (out_features, in_features) and use rotate-half RoPE,
 so every tensor is copied as it is: no permutation.
@@ -26,7 +26,7 @@ so every tensor is copied as it is: no permutation.
 Example::
 
     model = attn.load_pretrained("/models/my-llama", dtype=torch.bfloat16)
-    attn.save_pretrained(model, "/tmp/copy")  # loadable by attn and by transformers
+    attn.checkpoint.save_pretrained(model, "/tmp/copy")  # loadable by attn and by transformers
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,12 @@ _TOP_TENSORS: Mapping[str, str] = {
 # transformers itself does on load), so they are skipped, not reported as unexpected.
 _DERIVED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _ROPE_THETA_DEFAULT = 10000.0  # transformers' default when a config names none
+# transformers' defaults for keys a config.json may leave out, where the families differ
+# (None: num_key_value_heads defaults to num_attention_heads).
+_FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+}
 _SUPPORTED_ACTIVATIONS = ("silu", "swish")  # one function under two names
 
 
@@ -171,9 +177,10 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
 
     Example::
 
-        cfg = attn.config_from_hf(json.loads(Path("ckpt/config.json").read_text()))
+        cfg = attn.checkpoint.config_from_hf(json.loads(Path("ckpt/config.json").read_text()))
     """
     model_type = _check_architecture(hf_config)
+    hf_config = {**_FAMILY_DEFAULTS[model_type], **hf_config}  # keys left out, not explicit nulls
     _check_options(hf_config, model_type)
     hidden_size = _get_int(hf_config, "hidden_size")
     num_heads = _get_int(hf_config, "num_attention_heads")
@@ -188,7 +195,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_dim=_get_int(hf_config, "intermediate_size"),
-            max_seq_len=_get_int(hf_config, "max_position_embeddings", default=2048),
+            max_seq_len=_get_int(hf_config, "max_position_embeddings"),
             norm_eps=_get_float(hf_config, "rms_norm_eps", default=1e-6),
             rope_base=_rope_theta(hf_config),
             tie_embeddings=_get_bool(hf_config, "tie_word_embeddings", default=False),
@@ -235,16 +242,10 @@ def _check_architecture(hf_config: Mapping[str, Any]) -> str:
             f"model it describes; attn loads {supported}"
         )
     if model_type is not None and model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"model_type {model_type!r} is not supported: attn loads {supported}"
-        )
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} is not supported: attn loads {supported}")
     if architectures is not None:
-        wanted = {SUPPORTED_ARCHITECTURES[model_type]} if model_type else set(
-            SUPPORTED_ARCHITECTURES.values()
-        )
-        if not isinstance(architectures, list) or len(architectures) != 1 or (
-            architectures[0] not in wanted
-        ):
+        wanted = {SUPPORTED_ARCHITECTURES[model_type]} if model_type else set(SUPPORTED_ARCHITECTURES.values())
+        if not isinstance(architectures, list) or len(architectures) != 1 or (architectures[0] not in wanted):
             raise UnsupportedArchitectureError(
                 f"architectures {architectures!r} is not supported: attn loads a causal LM "
                 f"with an LM head, one of {sorted(wanted)} (a base model or a "
@@ -300,8 +301,7 @@ def _check_options(hf_config: Mapping[str, Any], model_type: str) -> None:
         factor = params.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
             raise UnsupportedConfigError(
-                f"{key} has partial_rotary_factor {factor!r}: attn rotates the whole head "
-                "(partial_rotary_factor 1.0)"
+                f"{key} has partial_rotary_factor {factor!r}: attn rotates the whole head (partial_rotary_factor 1.0)"
             )
 
 
@@ -313,8 +313,7 @@ def _rope_theta(hf_config: Mapping[str, Any]) -> float:
     theta = params.get("rope_theta", top)
     if top is not None and theta != top:
         raise InvalidConfigError(
-            f"config.json gives two RoPE bases: rope_theta {top!r} and "
-            f"rope_parameters.rope_theta {theta!r}; remove one"
+            f"config.json gives two RoPE bases: rope_theta {top!r} and rope_parameters.rope_theta {theta!r}; remove one"
         )
     if theta is None:
         return _ROPE_THETA_DEFAULT
@@ -373,10 +372,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(
-        f"dtype {dtype!r} is not supported: use None (the checkpoint's own), or one of "
-        f"{sorted(_DTYPES)}"
-    )
+    raise ValueError(f"dtype {dtype!r} is not supported: use None (the checkpoint's own), or one of {sorted(_DTYPES)}")
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -429,27 +425,19 @@ def _read_index(directory: Path) -> _Index:
                 )
             shards.append(directory / shard)
     else:
-        pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(
-            p.name for p in directory.glob("*.pt*")
-        )
+        pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
         hint = (
-            f"; it holds {pickled}, pickle files attn never loads (they can run code): "
-            "convert them to safetensors"
+            f"; it holds {pickled}, pickle files attn never loads (they can run code): convert them to safetensors"
             if pickled
             else ""
         )
-        raise FileNotFoundError(
-            f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}"
-        )
+        raise FileNotFoundError(f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
     files: dict[str, Path] = {}
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 if name in files:
-                    raise InvalidConfigError(
-                        f"tensor {name!r} is stored twice, in {files[name].name} and "
-                        f"{shard.name}"
-                    )
+                    raise InvalidConfigError(f"tensor {name!r} is stored twice, in {files[name].name} and {shard.name}")
                 files[name] = shard
     for name, shard in listed.items():
         if files.get(name) != directory / shard:
@@ -469,8 +457,7 @@ def _check_names(index: _Index, names: Mapping[str, str], config: DecoderConfig)
     if missing:
         raise MissingTensorError(
             f"checkpoint lacks {len(missing)} tensor(s) the config implies, e.g. "
-            f"{missing[:3]}: the checkpoint is incomplete or config.json does not match it"
-            + _hint(missing, config)
+            f"{missing[:3]}: the checkpoint is incomplete or config.json does not match it" + _hint(missing, config)
         )
     unexpected = sorted(stored - expected)
     if unexpected:
@@ -484,8 +471,7 @@ def _check_names(index: _Index, names: Mapping[str, str], config: DecoderConfig)
 
 def _hint(missing: list[str], config: DecoderConfig) -> str:
     if missing == [_TOP_TENSORS["output.weight"]] and not config.tie_embeddings:
-        return " (no lm_head.weight: if the output layer shares the embedding, set " \
-            "tie_word_embeddings to true)"
+        return " (no lm_head.weight: if the output layer shares the embedding, set tie_word_embeddings to true)"
     return ""
 
 
@@ -505,10 +491,7 @@ def _check_tensor(name: str, info: Any, expected: torch.Size, index: _Index) -> 
 
 
 def _open_all(stack: ExitStack, index: _Index) -> dict[Path, Any]:
-    return {
-        shard: stack.enter_context(safe_open(shard, framework="pt"))
-        for shard in sorted(set(index.files.values()))
-    }
+    return {shard: stack.enter_context(safe_open(shard, framework="pt")) for shard in sorted(set(index.files.values()))}
 
 
 # ---------------------------------------------------------------------------- load / save
@@ -522,8 +505,8 @@ def load_pretrained(
 ) -> TransformerDecoder:
     """Load a local Hugging Face Llama-family checkpoint directory.
 
-    Every check (config options, tensor names, shapes, dtypes) runs before any weight is
-    read, so a bad checkpoint fails fast with an error that names what is wrong.
+    The config options and every tensor's name, shape and dtype are checked before any
+    weight is read, so a bad checkpoint fails fast with an error that names what is wrong.
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` (or shards listed by
@@ -574,24 +557,29 @@ def load_pretrained(
     with ExitStack() as stack:
         readers = _open_all(stack, index)
         for ours, theirs in names.items():
-            _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs),
-                          params[ours].shape, index)
+            _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs), params[ours].shape, index)
         with torch.no_grad():
             for ours, theirs in names.items():
                 params[ours].copy_(readers[index.files[theirs]].get_tensor(theirs))
             tied_head = _TOP_TENSORS["output.weight"]
             if config.tie_embeddings and tied_head in index.files:
-                _check_tied_head(readers[index.files[tied_head]].get_tensor(tied_head),
-                                 params["tok_embeddings.weight"], index)
+                _check_tied_head(
+                    readers[index.files[tied_head]].get_tensor(tied_head), params["tok_embeddings.weight"], index
+                )
     return model.eval()
 
 
-def _empty_model(
-    config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str | None
-) -> TransformerDecoder:
-    with torch.device(device) if device is not None else nullcontext():
+def _empty_model(config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> TransformerDecoder:
+    """The model with uninitialized parameters, each of which the checkpoint then overwrites.
+
+    Built on the meta device, so no time or memory goes to a random init (seconds and a
+    second fp32 copy for a 1B model). Buffers hold derived values that their modules rebuild
+    when moved (the RoPE table); tests/test_checkpoint.py checks they equal a fresh model's.
+    """
+    with torch.device("meta"):
         model = TransformerDecoder(config)
-    return model.to(dtype=dtype)
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    return model.to(dtype=dtype).to_empty(device=target)
 
 
 def _check_tied_head(head: torch.Tensor, embedding: torch.Tensor, index: _Index) -> None:
@@ -633,8 +621,7 @@ def save_pretrained(
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {
-        theirs: params[ours].detach().to(device="cpu", dtype=dtype).contiguous()
-        for ours, theirs in names.items()
+        theirs: params[ours].detach().to(device="cpu", dtype=dtype).contiguous() for ours, theirs in names.items()
     }
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     hf_config = config_to_hf(model.config, dtype=dtype)

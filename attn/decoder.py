@@ -157,7 +157,7 @@ class TransformerDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        cls, path: str | Path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
     ) -> TransformerDecoder:
         """Loads a local Hugging Face Llama-family checkpoint (see ``attn.load_pretrained``)."""
         from attn.checkpoint import load_pretrained

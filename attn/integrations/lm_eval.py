@@ -1,0 +1,438 @@
+"""An lm-evaluation-harness model for attn: ``AttnLM``, registered as ``"attn"``.
+
+Shapes: b = batch, s = sequence, n = scored tokens of one row, v = vocab.
+
+How each request type treats the KV-cache:
+
+- ``generate_until`` runs ``attn.generate``, which works under ``attn.cached_inference``:
+  it uses the cache under every policy and torch release, eager or compiled. Without caches
+  on the model, each batch gets a cache of its own size, torn down after; with caches the
+  user set up, batches are sized to them (short batches are filled with copies of a row).
+- ``loglikelihood`` and ``loglikelihood_rolling`` run one uncached forward per batch, under
+  ``torch.inference_mode()`` inside ``attn.disable_kv_cache(model)``: they never read or
+  write the cache, whatever ran before (a generation task first, a cache the user set up).
+  Left-padded batches use ``attn.padded_causal_mask`` and ``attn.padding_positions``.
+
+Example::
+
+    import lm_eval
+    from attn.integrations.lm_eval import AttnLM
+
+    lm = AttnLM(attn.load_pretrained("/models/my-llama"), my_tokenizer, batch_size=8)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["my_task"])
+
+    # or by name, with the tokenizer.json of the checkpoint directory:
+    results = lm_eval.simple_evaluate(model="attn", model_args="pretrained=/models/my-llama")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import lm_eval.models  # noqa: F401 (fills the registry's built-in names before ours is added)
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from attn.checkpoint import load_pretrained
+from attn.context import disable_kv_cache
+from attn.decoder import TransformerDecoder
+from attn.generation import generate
+from attn.masks import padded_causal_mask, padding_positions
+
+__all__ = ["AttnLM", "Tokenizer", "TokenizerFile"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What ``AttnLM`` needs from a tokenizer.
+
+    ``encode`` adds no special tokens (``AttnLM`` adds BOS itself when asked);
+    ``bos_token_id`` is optional (an attribute that may be missing or None).
+    """
+
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``."""
+        ...
+
+
+class TokenizerFile:
+    """The ``Tokenizer`` protocol over a Hugging Face ``tokenizer.json``.
+
+    Reads the file with the ``tokenizers`` library (no ``transformers``); takes the EOS and
+    BOS ids from the arguments, else from ``config.json`` beside the file.
+
+    Args:
+        path: a ``tokenizer.json`` file, or a checkpoint directory holding one.
+        eos_token_id: overrides config.json's ``eos_token_id``.
+        bos_token_id: overrides config.json's ``bos_token_id``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, eos_token_id: int | None = None, bos_token_id: int | None = None
+    ) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} not found: pass a tokenizer.json file or a directory holding one, or pass "
+                "a tokenizer object to AttnLM(tokenizer=...)"
+            )
+        self._tokenizer = _Tokenizer.from_file(str(file))
+        config_path = file.parent / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        eos = eos_token_id if eos_token_id is not None else _first_id(config.get("eos_token_id"))
+        if eos is None:
+            raise ValueError(
+                f"no EOS token id for {file}: {config_path} names none; pass TokenizerFile(..., eos_token_id=ID)"
+            )
+        self.eos_token_id: int = eos
+        self.bos_token_id: int | None = (
+            bos_token_id if bos_token_id is not None else _first_id(config.get("bos_token_id"))
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens dropped."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """One row to score: the model's inputs, and the tokens whose log-probability is summed."""
+
+    inputs: list[int]  # (s,)
+    targets: list[int]  # (n,), the last n tokens of inputs[1:] + [next]
+
+
+@dataclass(frozen=True)
+class _GenerationOptions:
+    until: list[str]
+    max_gen_toks: int
+    temperature: float
+    top_k: int | None
+
+
+_GENERATION_KEYS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
+
+
+@register_model("attn")
+class AttnLM(TemplateLM):
+    """Evaluates a ``TransformerDecoder`` with lm-evaluation-harness.
+
+    Pass a model and a tokenizer object, or ``pretrained=`` a checkpoint directory (loaded
+    with ``attn.load_pretrained``; its ``tokenizer.json`` is the tokenizer unless
+    ``tokenizer`` says otherwise). The second form is what ``model="attn"`` with
+    ``model_args="pretrained=/path,batch_size=8"`` builds.
+
+    Args:
+        model: a ``TransformerDecoder``, or a ``torch.compile`` of one.
+        tokenizer: an object with ``encode``, ``decode`` and ``eos_token_id`` (see
+            ``Tokenizer``), or a path to a ``tokenizer.json``.
+        pretrained: a checkpoint directory, instead of ``model``.
+        batch_size: rows per forward pass (scoring) and per ``generate`` call.
+        device: where to load ``pretrained``; must be None with a model object.
+        dtype: dtype to load ``pretrained`` in (default: the checkpoint's).
+        max_gen_toks: tokens to generate when a task names no limit.
+        max_length: longest sequence a request may use (default: the model's
+            ``max_seq_len``); longer contexts keep their last tokens.
+        add_bos_token: prepend the tokenizer's ``bos_token_id`` to every context.
+        seed: seed of the generator used when a task samples (``do_sample``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+        *,
+        pretrained: str | os.PathLike[str] | None = None,
+        batch_size: int | str = 8,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_gen_toks: int = 256,
+        max_length: int | None = None,
+        add_bos_token: bool = False,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (pretrained is None):
+            raise ValueError("AttnLM needs exactly one of model= (a TransformerDecoder) and pretrained= (a path)")
+        if pretrained is not None:
+            model = load_pretrained(pretrained, dtype=dtype, device=device)
+            if tokenizer is None:
+                tokenizer = pretrained
+        elif device is not None or dtype is not None:
+            raise ValueError(
+                f"device ({device!r}) and dtype ({dtype!r}) apply to pretrained= only; move the model "
+                "object yourself (model.to(...)) before wrapping it"
+            )
+        decoder = getattr(model, "_orig_mod", model)
+        if not isinstance(decoder, TransformerDecoder):
+            raise ValueError(
+                f"AttnLM wraps an attn.TransformerDecoder (or a torch.compile of one), got {type(model).__name__}"
+            )
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = TokenizerFile(tokenizer)
+        if not isinstance(tokenizer, Tokenizer):
+            raise ValueError(
+                f"tokenizer must have encode(str) -> list[int], decode(ids) -> str and eos_token_id, got "
+                f"{type(tokenizer).__name__}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        limit = decoder.config.max_seq_len
+        self._max_length = limit if max_length is None else _positive_int("max_length", max_length)
+        if self._max_length > limit:
+            raise ValueError(f"max_length ({self._max_length}) exceeds the model's max_seq_len ({limit})")
+        self.add_bos_token = bool(add_bos_token)
+        self._device = decoder.tok_embeddings.weight.device
+        self._vocab_size = decoder.config.vocab_size
+        self._generator = torch.Generator(device=self._device).manual_seed(int(seed))
+
+    # -- the harness's hooks -----------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Context of a request with an empty context: BOS if the tokenizer has one, else EOS."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return self.eot_token_id if bos is None else int(bos)
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return type(self.tokenizer).__name__
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        ids = list(self.tokenizer.encode(string))
+        add_bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [int(bos), *ids]
+        return ids
+
+    def tok_decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        results = self._score([(context, continuation) for _, context, continuation in requests], disable_tqdm)
+        for (key, _, _), result in zip(requests, results, strict=True):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows: list[tuple[list[int], list[int]]] = []
+        owners: list[int] = []
+        for i, request in enumerate(requests):
+            (text,) = request.args
+            tokens = self.tok_encode(text, add_special_tokens=False)
+            for window in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1):
+                windows.append(make_disjoint_window(window))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._score(windows, disable_tqdm), strict=True):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        results = [""] * len(requests)  # every slot is filled below
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
+        progress = tqdm(total=len(requests), desc="attn generate_until", disable=disable_tqdm)
+        for indices in groups.values():
+            options = self._generation_options(requests[indices[0]].args[1])
+            max_new, budget = self._generation_budget(options.max_gen_toks)
+            prompts = {i: self._prompt(requests[i].args[0], budget) for i in indices}
+            order = sorted(indices, key=lambda i: (-len(prompts[i]), i))
+            for chunk in _chunks(order, self._generation_batch_size()):
+                for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], max_new, options), strict=True):
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                progress.update(len(chunk))
+        progress.close()
+        return results
+
+    # -- scoring -----------------------------------------------------------------------
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(sum of log-probabilities, is greedy) of each continuation after its context."""
+        rows = [self._scored_row(context, continuation) for context, continuation in pairs]
+        # Longest first, ties by content: the batches depend only on the set of requests.
+        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].inputs), rows[i].inputs))
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        for chunk in tqdm(
+            list(_chunks(order, self.batch_size)), desc="attn loglikelihood", disable=disable_tqdm or len(rows) == 0
+        ):
+            for i, result in zip(chunk, self._score_batch([rows[i] for i in chunk]), strict=True):
+                results[i] = result
+        return results
+
+    def _scored_row(self, context: list[int], continuation: list[int]) -> _Scored:
+        if not context:
+            raise ValueError("a scored continuation needs at least one context token (the harness adds a prefix)")
+        whole = (context + continuation)[-(self.max_length + 1) :]
+        inputs = whole[:-1]
+        count = min(len(continuation), len(inputs))
+        return _Scored(inputs=inputs, targets=whole[len(whole) - count :])
+
+    def _score_batch(self, rows: list[_Scored]) -> list[tuple[float, bool]]:
+        tokens, present = self._left_pad([row.inputs for row in rows])  # each (b, s)
+        with torch.inference_mode(), disable_kv_cache(self.model):
+            logits = self.model(
+                tokens, input_pos=padding_positions(present), mask=padded_causal_mask(present)
+            )  # (b, s, v)
+            results = []
+            s = tokens.shape[1]
+            for r, row in enumerate(rows):
+                n = len(row.targets)
+                if n == 0:
+                    results.append((0.0, True))
+                    continue
+                logprobs = logits[r, s - n :].float().log_softmax(-1)  # (n, v)
+                targets = torch.tensor(row.targets, dtype=torch.long, device=self._device)  # (n,)
+                picked = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
+                greedy = bool((logprobs.argmax(-1) == targets).all())
+                results.append((float(picked.sum()), greedy))
+        return results
+
+    def _left_pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(seq) for seq in sequences)
+        tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)  # (b, s)
+        present = torch.zeros((len(sequences), width), dtype=torch.bool)  # (b, s)
+        for r, seq in enumerate(sequences):
+            tokens[r, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            present[r, width - len(seq) :] = True
+        return tokens.to(self._device), present.to(self._device)
+
+    # -- generation --------------------------------------------------------------------
+
+    def _generation_options(self, gen_kwargs: dict[str, Any]) -> _GenerationOptions:
+        if not isinstance(gen_kwargs, dict):
+            raise ValueError(f"generate_until expects a dict of generation options, got {gen_kwargs!r}")
+        options = dict(normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks))
+        unknown = sorted(set(options) - _GENERATION_KEYS)
+        if unknown:
+            raise ValueError(
+                f"generation options {unknown} are not supported by AttnLM (it supports "
+                f"{sorted(_GENERATION_KEYS)}); remove them from the task's generation_kwargs"
+            )
+        top_p = options.get("top_p")
+        if top_p is not None and float(top_p) != 1.0:
+            raise ValueError(f"top_p ({top_p}) is not supported by attn.generate: use top_k, or top_p 1.0")
+        until = [stop for stop in options["until"] if stop]
+        if not all(isinstance(stop, str) for stop in until):
+            raise ValueError(f"generation option 'until' must be strings, got {options['until']!r}")
+        do_sample = bool(options.get("do_sample"))
+        temperature = float(options.get("temperature") or 0.0) if do_sample else 0.0
+        top_k = options.get("top_k")
+        return _GenerationOptions(
+            until=until,
+            max_gen_toks=_positive_int("max_gen_toks", options["max_gen_toks"]),
+            temperature=temperature,
+            top_k=None if top_k is None or temperature == 0.0 else int(top_k),
+        )
+
+    def _cache_limits(self) -> tuple[int, int] | None:
+        """(batch_size, max_seq_len) of the caches the user set up, or None."""
+        decoder = getattr(self.model, "_orig_mod", self.model)
+        caches = decoder.kv_caches()
+        return (caches[0].batch_size, caches[0].max_seq_len) if caches else None
+
+    def _generation_batch_size(self) -> int:
+        limits = self._cache_limits()
+        return self.batch_size if limits is None else limits[0]
+
+    def _generation_budget(self, max_gen_toks: int) -> tuple[int, int]:
+        """(tokens to generate, longest prompt) that fit the model, or the user's caches."""
+        limits = self._cache_limits()
+        length = self.max_length if limits is None else min(self.max_length, limits[1])
+        if length < 2:
+            raise ValueError(f"generation needs room for a prompt token and a new one; the limit is {length}")
+        max_new = min(max_gen_toks, length - 1)
+        return max_new, length - max_new
+
+    def _prompt(self, context: str, budget: int) -> list[int]:
+        ids = self.tok_encode(context) if context else []
+        return ids[-budget:] if ids else [self.prefix_token_id]
+
+    def _generate(self, prompts: list[list[int]], max_new: int, options: _GenerationOptions) -> list[str]:
+        rows = list(prompts)
+        limits = self._cache_limits()
+        if limits is not None:  # the user's caches take exactly their batch size
+            rows += [rows[-1]] * (limits[0] - len(rows))
+        out = generate(
+            self.model,
+            rows,
+            max_new_tokens=max_new,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            stop_tokens=[self.eot_token_id],
+            pad_id=self.eot_token_id,
+            generator=self._generator if options.temperature > 0 else None,
+        )
+        texts = []
+        for r in range(len(prompts)):
+            ids = out.generated[r][out.generated_mask[r]].tolist()
+            if ids and ids[-1] == self.eot_token_id:
+                ids = ids[:-1]
+            text = self.tok_decode(ids)
+            for stop in options.until:
+                text = text.split(stop, 1)[0]
+            texts.append(text)
+        return texts
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if isinstance(value, bool) or number <= 0 or (isinstance(value, float) and value != number):
+        hint = " (AttnLM has no 'auto' batch size)" if name == "batch_size" else ""
+        raise ValueError(f"{name} must be a positive int, got {value!r}{hint}")
+    return number
