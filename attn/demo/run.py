@@ -1,0 +1,260 @@
+"""The whole demo, in order: set up, train, eval, speed, PPO, LoRA-PPO; then the checks.
+
+``run_demo`` builds the task and the model, sets up the caches once, runs every pattern on
+the same model (compiled or not), prints a line per step as it goes, and returns a
+``DemoResult`` whose ``violations()`` lists every invariant that did not hold: a pass that
+used the cache where it should not have (or did not where it should), log-likelihoods that
+differ from a copy of the model that never had a cache, and the like.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TextIO
+
+import torch
+
+import attn
+from attn import compat
+from attn.demo import report
+from attn.demo.model import build_model
+from attn.demo.patterns import (
+    EvalResult,
+    PPOResult,
+    TrainResult,
+    eval_pattern,
+    generation_task,
+    lora_ppo_pattern,
+    ppo_pattern,
+    train,
+)
+from attn.demo.progress import ProgressBar
+from attn.demo.speed import SpeedResult, measure_speed
+from attn.demo.task import AdditionTask
+from attn.demo.watch import PassRecord, watch
+
+__all__ = ["DemoOptions", "DemoResult", "run_demo"]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``python -m attn demo`` runs.
+
+    Attributes:
+        steps: training steps.
+        seed: seeds the held-out problems, the weights, the batches and the rollouts.
+        policy: ``"inference"`` or ``"flag"`` forces the cache policy for the process;
+            ``None`` keeps the one in force (environment variable or release default).
+        compile: run every pass through ``torch.compile(model, backend=backend)``.
+        backend: the ``torch.compile`` backend.
+        batch_size: rows of every generation, the caches' batch size, and problems held out.
+        speed_tokens: new tokens per row when timing generation with and without the cache.
+    """
+
+    steps: int = 1000
+    seed: int = 0
+    policy: str | None = None
+    compile: bool = False
+    backend: str = "inductor"
+    batch_size: int = 64
+    speed_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "speed_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"DemoOptions.{name} must be a positive int, got {value!r}")
+        if self.policy not in (None, "inference", "flag"):
+            raise ValueError(f"DemoOptions.policy must be None, 'inference' or 'flag', got {self.policy!r}")
+
+
+@dataclass
+class DemoResult:
+    """Everything the demo measured; ``violations()`` says what went wrong, if anything."""
+
+    options: DemoOptions
+    environment: dict[str, object]
+    policy: dict[str, str]
+    untrained_accuracy: float
+    train: TrainResult
+    eval: EvalResult
+    speed: SpeedResult
+    ppo: PPOResult
+    lora_ppo: PPOResult
+    seconds: dict[str, float]
+    caches_still_setup: bool
+    compile_stats: dict[str, int] | None = None
+    warnings: list[str] = field(default_factory=list)
+    before_training: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[PassRecord]:
+        """Every watched block, in the order it ran."""
+        return [
+            *self.before_training,
+            *self.train.records,
+            *self.eval.records,
+            *self.speed.records,
+            *self.ppo.records,
+            *self.lora_ppo.records,
+        ]
+
+    def violations(self) -> list[str]:
+        """Every invariant that did not hold, in a sentence each; empty when all held."""
+        problems = [r.problem() for r in self.records if not r.ok]
+        if not self.caches_still_setup:
+            problems.append("the model's caches were not set up at the end of the demo")
+        if not self.eval.scores_match:
+            problems.append(
+                f"eval: log-likelihood scores differ from a copy of the model that never had a cache "
+                f"(max |diff| {self.eval.scores_max_abs_diff:.3g})"
+            )
+        if not self.eval.same_completions:
+            problems.append(
+                "eval: the generation task gave different completions before and after the log-likelihood task"
+            )
+        for result in (self.ppo, self.lora_ppo):
+            if not result.logprobs_match:
+                problems.append(
+                    f"{result.pattern}: log-probs from attn.generate differ from the grad pass over the same tokens "
+                    f"(max |diff| {result.logprob_max_abs_diff:.3g})"
+                )
+            if result.tokens_are_inference:
+                problems.append(f"{result.pattern}: attn.generate returned inference tensors")
+        if not self.speed.same_tokens:
+            problems.append("speed: generation with and without the cache produced different tokens")
+        return problems
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations()
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "violations": self.violations(),
+            "options": asdict(self.options),
+            "environment": self.environment,
+            "policy": self.policy,
+            "passes": [r.to_dict() for r in self.records],
+            "untrained_generation_accuracy": self.untrained_accuracy,
+            "train": self.train.to_dict(),
+            "eval": self.eval.to_dict(),
+            "speed": self.speed.to_dict(),
+            "ppo": self.ppo.to_dict(),
+            "lora_ppo": self.lora_ppo.to_dict(),
+            "caches_still_setup": self.caches_still_setup,
+            "compile_stats": self.compile_stats,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "warnings": self.warnings,
+        }
+
+
+def _compile_stats() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    say: Callable[[str], None] = print,
+    progress_stream: TextIO | None = None,
+) -> DemoResult:
+    """Runs the demo and returns what it measured; prints a line per step with ``say``.
+
+    Sets the process's cache policy when ``options.policy`` is given. The training progress
+    bar goes to ``progress_stream`` (default: stderr).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", compat.CompatWarning)
+        if options.policy is not None:
+            compat.set_cache_policy(options.policy)
+        # Each kind of pass is its own graph (grad mode, flag, shapes, adapters on or off):
+        # about a dozen, more than dynamo's default limit of 8 recompiles per function.
+        with torch._dynamo.config.patch(recompile_limit=64):
+            result = _run(options, say, progress_stream)
+    result.warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return result
+
+
+def _run(options: DemoOptions, say: Callable[[str], None], progress_stream: TextIO | None) -> DemoResult:
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    decision = compat.cache_policy()
+    task = AdditionTask(num_digits=2, num_eval=options.batch_size, seed=options.seed)
+    model = build_model(task, seed=options.seed)
+    model.setup_caches(options.batch_size, model.config.max_seq_len)
+    if options.compile:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        runner = torch.compile(model, backend=options.backend)
+    else:
+        runner = model
+    environment = {
+        "attn": attn.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
+    say(report.header(options, decision, model, task))
+
+    before: list[PassRecord] = []
+    model.reset_caches()
+    with watch(runner, before, pattern="train", kind="generation before training: attn.generate", expect_cache=True):
+        untrained, _ = generation_task(runner, task, task.eval_problems)
+    bar = ProgressBar(options.steps, label="   training", stream=progress_stream)
+    try:
+        trained = train(runner, task, steps=options.steps, seed=options.seed, on_step=bar.update)
+    finally:
+        bar.close()
+    seconds["train"] = time.perf_counter() - start
+    say(report.train_line(untrained, trained))
+
+    mark = time.perf_counter()
+    evaluated = eval_pattern(runner, task, task.eval_problems)
+    seconds["eval"] = time.perf_counter() - mark
+    say(report.eval_lines(evaluated, task))
+
+    mark = time.perf_counter()
+    speed = measure_speed(runner, task, task.eval_problems, new_tokens=options.speed_tokens)
+    seconds["speed"] = time.perf_counter() - mark
+
+    generator = torch.Generator().manual_seed(options.seed)
+    rows = torch.randperm(len(task.train_problems), generator=generator)[: options.batch_size].tolist()
+    rollout_problems = [task.train_problems[i] for i in rows]
+    mark = time.perf_counter()
+    ppo = ppo_pattern(runner, task, rollout_problems, seed=options.seed)
+    seconds["ppo"] = time.perf_counter() - mark
+    say(report.ppo_lines(ppo))
+
+    mark = time.perf_counter()
+    lora_ppo = lora_ppo_pattern(runner, task, rollout_problems, seed=options.seed)
+    seconds["lora_ppo"] = time.perf_counter() - mark
+    say(report.lora_ppo_lines(lora_ppo))
+    seconds["total"] = time.perf_counter() - start
+
+    return DemoResult(
+        options=options,
+        environment=environment,
+        policy={"policy": decision.policy.value, "source": decision.source, "reason": decision.reason},
+        untrained_accuracy=untrained,
+        train=trained,
+        eval=evaluated,
+        speed=speed,
+        ppo=ppo,
+        lora_ppo=lora_ppo,
+        seconds=seconds,
+        caches_still_setup=model.caches_are_setup(),
+        compile_stats=_compile_stats() if options.compile else None,
+        before_training=before,
+    )

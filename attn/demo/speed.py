@@ -1,0 +1,144 @@
+"""Tokens per second generating with the KV-cache and without it, on the same model.
+
+Shapes: b = batch, P = prompt width, N = new tokens, v = vocab.
+
+With the cache: ``attn.generate`` (prefill once, then one token per step). Without it: the
+loop every generation without a cache runs, recomputing the whole sequence for each new
+token, under ``torch.inference_mode()`` and ``attn.disable_kv_cache``. Both are greedy with
+no stop token, so both produce exactly b * N tokens, and the same ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from attn.context import disable_kv_cache
+from attn.demo.task import AdditionTask, Problem
+from attn.demo.watch import PassRecord, base_model, watch
+from attn.generation import generate
+from attn.masks import padded_causal_mask, padding_positions
+
+__all__ = ["SpeedResult", "generate_without_cache", "measure_speed"]
+
+
+def generate_without_cache(
+    model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, pad_id: int
+) -> torch.Tensor:
+    """Greedy generation that recomputes the full sequence for every new token.
+
+    Prompts are left-padded like ``attn.generate`` does, with the same positions and mask,
+    so the tokens match its greedy output.
+
+    Returns:
+        (b, P + N) long: padded prompts, then the generated tokens.
+    """
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (b, P)
+    real = torch.zeros((len(prompts), width), dtype=torch.bool)  # (b, P)
+    for i, prompt in enumerate(prompts):
+        tokens[i, width - len(prompt) :] = torch.tensor(prompt)
+        real[i, width - len(prompt) :] = True
+    with torch.inference_mode(), disable_kv_cache(base_model(model)):
+        for _ in range(max_new_tokens):
+            logits = model(tokens, input_pos=padding_positions(real), mask=padded_causal_mask(real))  # (b, s, v)
+            next_token = logits[:, -1].float().argmax(-1, keepdim=True)  # (b, 1)
+            tokens = torch.cat((tokens, next_token), dim=1)  # (b, s + 1)
+            real = torch.cat((real, torch.ones_like(next_token, dtype=torch.bool)), dim=1)  # (b, s + 1)
+    return tokens.clone()
+
+
+@dataclass
+class SpeedResult:
+    """Generation throughput with and without the cache: the fastest of ``repeats`` timed runs."""
+
+    batch_size: int
+    new_tokens: int
+    cached_seconds: float
+    uncached_seconds: float
+    same_tokens: bool
+    repeats: int = 1
+    records: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def cached_tokens_per_s(self) -> float:
+        return self.batch_size * self.new_tokens / self.cached_seconds
+
+    @property
+    def uncached_tokens_per_s(self) -> float:
+        return self.batch_size * self.new_tokens / self.uncached_seconds
+
+    @property
+    def speedup(self) -> float:
+        return self.uncached_seconds / self.cached_seconds
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "batch_size": self.batch_size,
+            "new_tokens": self.new_tokens,
+            "cached_tokens_per_s": round(self.cached_tokens_per_s, 1),
+            "uncached_tokens_per_s": round(self.uncached_tokens_per_s, 1),
+            "speedup": round(self.speedup, 2),
+            "cached_seconds": round(self.cached_seconds, 4),
+            "uncached_seconds": round(self.uncached_seconds, 4),
+            "same_tokens": self.same_tokens,
+            "timed_runs_each": self.repeats,
+            "passes": [r.to_dict() for r in self.records],
+        }
+
+
+def measure_speed(
+    model: nn.Module, task: AdditionTask, problems: list[Problem], *, new_tokens: int, repeats: int = 3
+) -> SpeedResult:
+    """Times both ways of generating ``new_tokens`` after each problem's prompt.
+
+    Each runs a few tokens untimed first (compiles, allocator warm-up); then the two take
+    turns, ``repeats`` times each, and each keeps its fastest time (on a shared machine the
+    fastest run is the one least disturbed). The prompts must number the caches' batch size,
+    and prompt plus ``new_tokens`` must fit the caches.
+    """
+    if not isinstance(repeats, int) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    tok = task.tokenizer
+    prompts = [task.prompt_ids(p) for p in problems]
+    base = base_model(model)
+
+    def cached(num_tokens: int) -> torch.Tensor:
+        return generate(model, prompts, max_new_tokens=num_tokens, pad_id=tok.pad_id).tokens
+
+    def uncached(num_tokens: int) -> torch.Tensor:
+        return generate_without_cache(model, prompts, max_new_tokens=num_tokens, pad_id=tok.pad_id)
+
+    # Warm-up, twice in turn: a decode step has one shape at every position, and a few steps
+    # of the full recompute make torch.compile treat its length as dynamic; where passes
+    # graph-break (the INFERENCE policy under compile), the second round compiles what
+    # alternating between the two needs. The timed runs then compile nothing.
+    for _ in range(2):
+        cached(min(new_tokens, 4))
+        uncached(min(new_tokens, 4))
+    records: list[PassRecord] = []
+    cached_seconds, uncached_seconds = [], []
+    for _ in range(repeats):
+        base.reset_caches()
+        with watch(model, records, pattern="speed", kind="generation with the cache: attn.generate", expect_cache=True):
+            start = time.perf_counter()
+            with_cache = cached(new_tokens)
+            cached_seconds.append(time.perf_counter() - start)
+        with watch(
+            model, records, pattern="speed", kind="generation without the cache: full recompute", expect_cache=False
+        ):
+            start = time.perf_counter()
+            without_cache = uncached(new_tokens)
+            uncached_seconds.append(time.perf_counter() - start)
+    return SpeedResult(
+        batch_size=len(prompts),
+        new_tokens=new_tokens,
+        cached_seconds=min(cached_seconds),
+        uncached_seconds=min(uncached_seconds),
+        same_tokens=bool(torch.equal(with_cache, without_cache)),
+        repeats=repeats,
+        records=records,
+    )
