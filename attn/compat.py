@@ -181,9 +181,10 @@ RELEASES: tuple[ReleaseSupport, ...] = (
         reason=(
             "dynamo traces Tensor.is_inference() on torch 2.6 and 2.7 but guards only on the "
             "input's dispatch keys, so a compiled graph is reused for the wrong kind of pass: "
-            "a no_grad pass over token ids made under inference mode, then an inference-mode "
-            "generation, skips the cache write that eager does (stale-graph check in "
-            "compat/legs.py)"
+            "measured on 2.6.0 and 2.7.1 (stale-graph check in compat/legs.py), a no_grad pass "
+            "over token ids made under inference mode, then an inference-mode decode loop "
+            "calling model(ids), skips the cache write that eager does (eager, aot_eager and "
+            "inductor backends, with and without fullgraph)"
         ),
     ),
     ReleaseSupport(

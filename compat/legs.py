@@ -40,15 +40,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import matrix as matrix_data  # noqa: E402  (compat/matrix.py, standard library only)
+import matrix as matrix_data
 
 # The leg runs under its default policy: nothing may override it from outside.
 os.environ.pop("ATTN_CACHE_POLICY", None)
 
-import torch  # noqa: E402
+import torch
 
-import attn  # noqa: E402
-from attn import compat  # noqa: E402
+import attn
+from attn import compat
 
 PROMPT = [5, 17, 3, 42, 8, 23, 11]
 NEW_TOKENS = 6
@@ -200,7 +200,7 @@ def _run_sequence(name: str, backend: str | None, fullgraph: bool) -> list:
 
 
 def _first_difference(eager: list, compiled: list) -> str | None:
-    for (label, want), (_, got) in zip(eager, compiled):
+    for (label, want), (_, got) in zip(eager, compiled, strict=False):  # lengths compared below
         if want != got:
             return f"{label}: eager {want}, compiled {got}"
     if len(eager) != len(compiled):
@@ -219,6 +219,7 @@ def check_stale_graph(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
                 for fullgraph in (False, True):
                     start = time.monotonic()
                     entry = {"sequence": name, "backend": backend, "fullgraph": fullgraph}
+                    compiled = None
                     try:
                         compiled = _run_sequence(name, backend, fullgraph)
                     except Exception as exc:
@@ -228,6 +229,7 @@ def check_stale_graph(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
                         entry.update(matches=difference is None, error=None, difference=difference)
                     entry["seconds"] = round(time.monotonic() - start, 1)
                     entry["eager"] = eager
+                    entry["compiled"] = None if entry["error"] else compiled
                     runs.append(entry)
     finally:
         compat.set_cache_policy(None if previous.source != "override" else previous.policy)
@@ -291,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             outcome = run()
         except Exception as exc:  # a crashing check is a failed check, with its traceback
-            outcome = {"ok": False, "problems": [f"check crashed: {_first_line(exc)}"], "traceback": traceback.format_exc()}
+            outcome = {
+                "ok": False,
+                "problems": [f"check crashed: {_first_line(exc)}"],
+                "traceback": traceback.format_exc(),
+            }
         outcome["seconds"] = round(time.monotonic() - start, 1)
         result[name] = outcome
         ok = ok and outcome["ok"]

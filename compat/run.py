@@ -7,7 +7,7 @@ Usage (from the repository root; standard library only, any python3 >= 3.11)::
     python3 compat/run.py --list          # the legs and what each expects
     python3 compat/run.py --clean [LEG..] # remove leg environments (all when none named)
     python3 compat/run.py --rebuild LEG   # remove, then build and run
-    python3 compat/run.py --policy-table  # the README's policy table, from compat/matrix.toml
+    .venv/bin/python compat/run.py --policy-table  # the README's policy table (needs attn installed)
 
 Per leg: resolve the release (``latest``: the newest release the package index serves now;
 ``nightly``: only when the leg's index variable is set), build or reuse the environment in
@@ -21,11 +21,13 @@ run is reported as NOT RUN, never as passed, and does not change the exit status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,12 +38,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import matrix as matrix_data  # noqa: E402
+import matrix as matrix_data
 
 REPO = Path(__file__).resolve().parent.parent
 LEGS_SCRIPT = Path(__file__).resolve().with_name("legs.py")
 STAMP = "attn-matrix.json"
-PIP_QUIET = ["--quiet", "--progress-bar", "off", "--no-cache-dir"]
+PIP_QUIET = ["--quiet", "--progress-bar", "off"]
+# torch wheels (2.5 GB each for CUDA builds) skip pip's cache: each leg needs another one.
+# The project's other dependencies are the same on every leg and may use it.
+NO_CACHE = ["--no-cache-dir"]
 # Wall-clock limits of the steps of one leg, in seconds.
 INSTALL_TIMEOUT = 40 * 60
 CHECKS_TIMEOUT = 20 * 60
@@ -82,8 +87,9 @@ class LegError(Exception):
 # --- running commands -----------------------------------------------------------------------
 
 
-def run(cmd: list[str], *, env: dict | None = None, timeout: float | None = None, capture: bool = False,
-        cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], *, env: dict | None = None, timeout: float | None = None, capture: bool = False, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Runs a command, streaming its output unless ``capture``; never reads stdin."""
     if not capture:
         say(f"$ {' '.join(cmd)}")
@@ -144,9 +150,22 @@ def resolve_latest(leg: matrix_data.Leg) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         out2 = run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
-             "--quiet", "--report", str(report), "torch"],
-            env=env, capture=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--no-deps",
+                "--quiet",
+                "--report",
+                str(report),
+                "torch",
+            ],
+            env=env,
+            capture=True,
+            timeout=600,
         )
         if out2.returncode == 0 and report.exists():
             for item in json.loads(report.read_text()).get("install", []):
@@ -227,10 +246,8 @@ def _du_gb(path: Path) -> float:
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):  # a file removed while we count
                 total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
     return total / 1e9
 
 
@@ -241,8 +258,9 @@ def free_gb(path: Path) -> float:
     return shutil.disk_usage(probe).free / 1e9
 
 
-def ensure_env(settings: matrix_data.Settings, leg: matrix_data.Leg, version: str | None,
-               nightly_url: str | None) -> tuple[Path, str]:
+def ensure_env(
+    settings: matrix_data.Settings, leg: matrix_data.Leg, version: str | None, nightly_url: str | None
+) -> tuple[Path, str]:
     """Builds or reuses the leg's environment; returns its path and the installed torch."""
     path = env_dir(settings, leg)
     env = pip_env(leg)
@@ -263,15 +281,33 @@ def ensure_env(settings: matrix_data.Settings, leg: matrix_data.Leg, version: st
         say(f"reusing environment {path} (torch {info.get('torch')})")
     if nightly_url is not None:
         start = time.monotonic()
-        done = run([python, "-m", "pip", "install", *PIP_QUIET, "--pre", "--upgrade",
-                    "--extra-index-url", nightly_url, "torch"], env=env, timeout=INSTALL_TIMEOUT)
+        done = run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                *PIP_QUIET,
+                *NO_CACHE,
+                "--pre",
+                "--upgrade",
+                "--extra-index-url",
+                nightly_url,
+                "torch",
+            ],
+            env=env,
+            timeout=INSTALL_TIMEOUT,
+        )
         if done.returncode != 0:
             raise LegError(f"installing nightly torch failed (exit {done.returncode})")
         say(f"torch nightly: checked in {time.monotonic() - start:.0f} s")
     elif info is None:
         start = time.monotonic()
-        done = run([python, "-m", "pip", "install", *PIP_QUIET, f"torch=={version}"], env=env,
-                   timeout=INSTALL_TIMEOUT)
+        done = run(
+            [python, "-m", "pip", "install", *PIP_QUIET, *NO_CACHE, f"torch=={version}"],
+            env=env,
+            timeout=INSTALL_TIMEOUT,
+        )
         if done.returncode != 0:
             raise LegError(f"pip install torch=={version} failed (exit {done.returncode})")
         say(f"torch {version}: installed in {time.monotonic() - start:.0f} s")
@@ -289,8 +325,11 @@ def ensure_env(settings: matrix_data.Settings, leg: matrix_data.Leg, version: st
         start = time.monotonic()
         constraints = path / "torch-pin.txt"
         constraints.write_text(f"torch=={installed}\n")  # never let the project pull another torch
-        done = run([python, "-m", "pip", "install", *PIP_QUIET, "-c", str(constraints), "-e", f"{REPO}[test]"],
-                   env=env, timeout=INSTALL_TIMEOUT)
+        done = run(
+            [python, "-m", "pip", "install", *PIP_QUIET, "-c", str(constraints), "-e", f"{REPO}[test]"],
+            env=env,
+            timeout=INSTALL_TIMEOUT,
+        )
         if done.returncode != 0:
             raise LegError(f"installing the project into the leg environment failed (exit {done.returncode})")
         after = (inspect_env(path) or {}).get("torch")
@@ -307,8 +346,9 @@ def ensure_env(settings: matrix_data.Settings, leg: matrix_data.Leg, version: st
 def run_checks(path: Path, leg: matrix_data.Leg, result: LegResult, out_dir: Path) -> None:
     out = out_dir / f"{leg.name}-checks.json"
     out.unlink(missing_ok=True)
-    done = run([str(venv_python(path)), str(LEGS_SCRIPT), leg.name, "--out", str(out)], env=base_env(),
-               timeout=CHECKS_TIMEOUT)
+    done = run(
+        [str(venv_python(path)), str(LEGS_SCRIPT), leg.name, "--out", str(out)], env=base_env(), timeout=CHECKS_TIMEOUT
+    )
     if not out.exists():
         raise LegError(f"compat/legs.py wrote no result (exit {done.returncode})")
     data = json.loads(out.read_text())
@@ -350,8 +390,11 @@ def run_tests(path: Path, data: matrix_data.Matrix, leg: matrix_data.Leg, result
             raise LegError("none of the leg's test files exist")
     junit = out_dir / f"{leg.name}-junit.xml"
     junit.unlink(missing_ok=True)
-    done = run([str(venv_python(path)), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}",
-                *selection], env=base_env(), timeout=TESTS_TIMEOUT)
+    done = run(
+        [str(venv_python(path)), "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *selection],
+        env=base_env(),
+        timeout=TESTS_TIMEOUT,
+    )
     if junit.exists():
         root = ET.parse(junit).getroot()
         suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
@@ -370,8 +413,9 @@ def run_tests(path: Path, data: matrix_data.Matrix, leg: matrix_data.Leg, result
 def run_leg(data: matrix_data.Matrix, leg: matrix_data.Leg, out_dir: Path, rebuild: bool) -> LegResult:
     result = LegResult(leg.name)
     start = time.monotonic()
-    banner(f"leg {leg.name}: torch {leg.torch}, expects policy {leg.policy}, "
-           f"traces_is_inference={leg.traces_is_inference}")
+    banner(
+        f"leg {leg.name}: torch {leg.torch}, expects policy {leg.policy}, traces_is_inference={leg.traces_is_inference}"
+    )
     path = env_dir(data.settings, leg)
     try:
         nightly_url = None
@@ -380,12 +424,16 @@ def run_leg(data: matrix_data.Matrix, leg: matrix_data.Leg, out_dir: Path, rebui
             nightly_url = os.environ.get(leg.index_env or "", "").strip() or None
             if nightly_url is None:
                 result.status = "NOT RUN"
-                message = (f"NIGHTLY LEG NOT RUN: set {leg.index_env} to a nightly wheel index to run it. "
-                           "It is not counted as passed.")
+                message = (
+                    f"NIGHTLY LEG NOT RUN: set {leg.index_env} to a nightly wheel index to run it. "
+                    "It is not counted as passed."
+                )
                 result.notes.append(message)
                 say("!" * 78)
                 say(f"!!! {message}")
                 say("!" * 78)
+                if os.environ.get("GITHUB_ACTIONS") == "true":
+                    say(f"::warning title=nightly leg not run::{message}")
                 return result
             version = None
         elif leg.torch == "latest":
@@ -418,16 +466,26 @@ def run_leg(data: matrix_data.Matrix, leg: matrix_data.Leg, out_dir: Path, rebui
 def print_table(results: list[LegResult]) -> None:
     headers = ["leg", "torch", "status", "policy", "probe", "stale-graph", "passed", "failed", "skipped", "time"]
     rows = [
-        [r.leg, r.torch, r.status, r.policy, r.probe, r.stale_graph, str(r.passed), str(r.failed),
-         str(r.skipped), f"{r.seconds / 60:.1f} min"]
+        [
+            r.leg,
+            r.torch,
+            r.status,
+            r.policy,
+            r.probe,
+            r.stale_graph,
+            str(r.passed),
+            str(r.failed),
+            str(r.skipped),
+            f"{r.seconds / 60:.1f} min",
+        ]
         for r in results
     ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     banner("version matrix")
-    say("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    say("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     say("  ".join("-" * w for w in widths))
     for row in rows:
-        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
     for r in results:
         for line in r.problems:
             say(f"{r.leg}: FAILED: {line}")
@@ -435,21 +493,38 @@ def print_table(results: list[LegResult]) -> None:
             say(f"{r.leg}: {line}")
 
 
+def _stop(signum: int, _frame: object) -> None:
+    # subprocess.run kills its child when an exception interrupts it: end the leg's
+    # pip or pytest with the runner, instead of leaving it running.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     parser = argparse.ArgumentParser(description="Run the torch version matrix (compat/matrix.toml).")
     parser.add_argument("legs", nargs="*", help="legs to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the legs and exit")
     parser.add_argument("--list-json", action="store_true", help="print the leg names as a JSON list and exit")
-    parser.add_argument("--clean", action="store_true", help="remove the named legs' environments (all when none) and exit")
+    parser.add_argument(
+        "--clean", action="store_true", help="remove the named legs' environments (all when none) and exit"
+    )
     parser.add_argument("--rebuild", action="store_true", help="remove each leg's environment before running it")
     parser.add_argument("--policy-table", action="store_true", help="print the README's policy table and exit")
-    parser.add_argument("--results", type=Path, help="folder for per-leg JSON and junit files "
-                        "(default: $ATTN_MATRIX_HOME/results)")
+    parser.add_argument(
+        "--results", type=Path, help="folder for per-leg JSON and junit files (default: $ATTN_MATRIX_HOME/results)"
+    )
     args = parser.parse_args(argv)
 
     data = matrix_data.load()
     if args.policy_table:
-        say(matrix_data.render_policy_table(data))
+        try:
+            say(matrix_data.render_policy_table(data))
+        except ImportError as exc:
+            say(
+                f"--policy-table reads attn.compat.RELEASES ({exc}); run it with a python that has attn "
+                "installed, e.g. .venv/bin/python compat/run.py --policy-table"
+            )
+            return 2
         return 0
     if args.list_json:
         say(json.dumps([leg.name for leg in data.legs]))
@@ -461,9 +536,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.list:
         for leg in legs:
-            say(f"{leg.name:<8} torch {leg.torch:<8} policy {leg.policy:<9} traces={leg.traces_is_inference!s:<5} "
+            say(
+                f"{leg.name:<8} torch {leg.torch:<8} policy {leg.policy:<9} traces={leg.traces_is_inference!s:<5} "
                 f"stale_graph={leg.stale_graph!s:<5} tests={leg.tests if isinstance(leg.tests, str) else 'list'}  "
-                f"env {env_dir(data.settings, leg)}")
+                f"env {env_dir(data.settings, leg)}"
+            )
+            say(f"         {leg.why}")
         return 0
     if args.clean:
         for leg in legs:
@@ -472,8 +550,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = args.results or data.settings.home_path / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    say(f"matrix: {len(legs)} leg(s): {', '.join(leg.name for leg in legs)}; environments in "
-        f"{data.settings.home_path}; free disk {free_gb(data.settings.home_path):.0f} GB")
+    say(
+        f"matrix: {len(legs)} leg(s): {', '.join(leg.name for leg in legs)}; environments in "
+        f"{data.settings.home_path}; free disk {free_gb(data.settings.home_path):.0f} GB"
+    )
     start = time.monotonic()
     results = [run_leg(data, leg, out_dir, args.rebuild) for leg in legs]
     (out_dir / "summary.json").write_text(json.dumps([r.__dict__ for r in results], indent=2))

@@ -150,7 +150,7 @@ def test_no_setup_warning_when_policy_is_chosen(monkeypatch: pytest.MonkeyPatch,
     assert not [w for w in caught if issubclass(w.category, CompatWarning)]
 
 
-@pytest.mark.skipif(release_support().traces_is_inference, reason="this release can compile is_inference()")
+@pytest.mark.requires_no_is_inference_trace
 def test_forcing_inference_where_it_cannot_compile_warns(restore_policy: None) -> None:
     compat._reset_warnings()
     with pytest.warns(CompatWarning, match="graph-break at every attention layer"):
