@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given
@@ -84,7 +86,8 @@ def test_cached_chunks_match_reference(setup: tuple[MultiHeadAttention, int, int
 def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
     layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
     layer.setup_cache(1, 16, dtype=torch.float32, device="cpu")
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", attn.CompatWarning)  # asserted in test_compat.py
         layer(torch.randn(1, 3, 8))
     used = layer.kv_cache.size == 3
     assert used is (policy is CachePolicy.INFERENCE)
