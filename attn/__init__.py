@@ -10,6 +10,7 @@ from attn.checkpoint import load_pretrained
 from attn.compat import CachePolicy, CompatWarning, cache_policy
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.fast_decode import compile_for_decode
 from attn.generation import GenerationOutput, generate
 from attn.kv_cache import KVCache
 from attn.masks import padded_causal_mask, padding_positions
@@ -27,6 +28,7 @@ __all__ = [
     "cache_policy",
     "cached_inference",
     "compat",
+    "compile_for_decode",
     "disable_kv_cache",
     "generate",
     "kv_cache_mode",

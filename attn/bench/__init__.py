@@ -1,0 +1,236 @@
+"""``python -m attn bench``: decode speed of ``attn`` side by side with ``transformers``, on CPU.
+
+In one process it measures, for each cell (model size, dtype, batch, threads), every
+contender's decode tokens/s (median, min, max over alternating repeats), time to first
+token, compile time and compiled graphs, checks that each produced the same greedy tokens
+as ``attn`` eager (logits against fp32 for bf16), and relates the speed to the memory-bound
+limit measured on the spot. Peak memory is measured in a fresh process per contender.
+
+Example::
+
+    python -m attn bench                                # the four cells of issue 6
+    python -m attn bench --config base --dtype fp32,bf16 --batch 1,8 --threads 1,2
+    python -m attn bench --config tiny --repeats 1 --prompt-len 8 --new-tokens 8 --no-memory
+    python -m attn bench --json bench.json --plot bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from attn.bench.check import Check, check_logits, check_tokens
+from attn.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS, Cell, CellContext, Contender, Generated
+from attn.bench.report import evaluate_targets, format_table, write_json, write_plot
+from attn.bench.run import BenchResult, BenchSpec, Row, run_benchmark
+from attn.decoder import DecoderConfig
+
+__all__ = [
+    "CONFIGS",
+    "CONTENDERS",
+    "DEFAULT_CELLS",
+    "BenchResult",
+    "BenchSpec",
+    "Cell",
+    "CellContext",
+    "Check",
+    "Contender",
+    "Generated",
+    "Row",
+    "check_logits",
+    "check_tokens",
+    "evaluate_targets",
+    "format_table",
+    "main",
+    "run_benchmark",
+]
+
+CONFIGS: dict[str, dict[str, object]] = {
+    # Llama-style, 56.4M parameters, untied output.
+    "small": dict(vocab_size=32000, embed_dim=512, num_layers=8, num_heads=8, num_kv_heads=4, hidden_dim=1408),
+    # 109.5M parameters, tied embeddings.
+    "base": dict(vocab_size=32000, embed_dim=768, num_layers=12, num_heads=12, hidden_dim=2048, tie_embeddings=True),
+    # For smoke runs and tests.
+    "tiny": dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=128),
+}
+"""Built-in model sizes (``DecoderConfig`` fields; ``max_seq_len`` is set to fit the run)."""
+
+DEFAULT_CELLS = (
+    ("small", "fp32", 1, 1),
+    ("small", "fp32", 8, 1),
+    ("small", "bf16", 1, 2),
+    ("base", "fp32", 1, 1),
+)
+"""(config, dtype, batch, threads) of the cells with targets in issue 6."""
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m attn bench",
+        description=(
+            "Decode speed of attn (eager, compiled, no cache) against transformers (static and "
+            "dynamic cache) with the same weights, with a correctness check of every contender."
+        ),
+        epilog=(
+            "Without --config/--dtype/--batch/--threads it runs the four cells of issue 6: "
+            + "; ".join(f"{c} {d} b{b} t{t}" for c, d, b, t in DEFAULT_CELLS)
+            + ". With any of them, it runs every combination (defaults: small, fp32, 1, 1)."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        help=(
+            f"model: a name ({', '.join(CONFIGS)}), DecoderConfig fields as JSON "
+            "('{\"vocab_size\": 1000, ...}'), a JSON file of them, or a Hugging Face checkpoint "
+            "directory (real weights); repeat or comma-separate names for several"
+        ),
+    )
+    parser.add_argument("--dtype", help="comma-separated: fp32, bf16, fp16")
+    parser.add_argument("--batch", type=_int_list, help="comma-separated batch sizes")
+    parser.add_argument("--threads", type=_int_list, help="comma-separated torch thread counts")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per row (default 128)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens to generate per row (default 128)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed generations per contender (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up generations per contender (default 1)")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help=f"comma-separated, from: {', '.join(CONTENDERS)} (default: {','.join(DEFAULT_CONTENDERS)})",
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes (one process each)")
+    parser.add_argument("--max-rows", type=int, default=8, help="compile_for_decode max_rows (default 8)")
+    parser.add_argument(
+        "--nocache-max-batch", type=int, default=1, help="largest batch for attn-nocache (default 1; it is slow)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=0.05, help="std of random weights (default 0.05)")
+    parser.add_argument("--json", type=Path, help="write every measurement as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of latency per token against position here")
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process
+    return parser
+
+
+def _resolve_config(text: str, min_len: int) -> tuple[str, DecoderConfig, str | None]:
+    """``(name, config, checkpoint directory or None)`` for one ``--config`` value."""
+    fields: dict[str, object]
+    path = Path(text)
+    if text in CONFIGS:
+        name, fields = text, dict(CONFIGS[text])
+    elif text.lstrip().startswith("{"):
+        name, fields = "custom", json.loads(text)
+    elif path.is_dir():
+        try:
+            from attn.checkpoint import load_pretrained
+        except ImportError as error:
+            raise ValueError(f"--config {text!r} is a directory, but checkpoints cannot be loaded: {error}") from None
+        config = load_pretrained(path, dtype=torch.float32).config
+        if config.max_seq_len < min_len:
+            raise ValueError(
+                f"checkpoint {path} covers {config.max_seq_len} positions, fewer than prompt + new tokens ({min_len})"
+            )
+        return path.name, config, str(path)
+    elif path.is_file():
+        name, fields = path.stem, json.loads(path.read_text())
+    else:
+        raise ValueError(f"--config {text!r} is not one of {', '.join(CONFIGS)}, a JSON object, a file or a directory")
+    fields.setdefault("max_seq_len", max(2048, min_len))
+    return name, DecoderConfig(**fields), None  # type: ignore[arg-type]
+
+
+def _spec(args: argparse.Namespace) -> BenchSpec:
+    total = args.prompt_len + args.new_tokens
+    if args.prompt_len <= 0 or args.new_tokens < 2:
+        raise ValueError(
+            f"--prompt-len must be positive and --new-tokens at least 2, got {args.prompt_len}, {args.new_tokens}"
+        )
+    grid = args.config or args.dtype or args.batch or args.threads
+    checkpoint = None
+    cells = []
+    if grid:
+        names = [n.strip() for value in (args.config or ["small"]) for n in _split_config(value)]
+        dtypes = [d.strip() for d in (args.dtype or "fp32").split(",") if d.strip()]
+        unknown = [d for d in dtypes if d not in _DTYPES]
+        if unknown:
+            raise ValueError(f"unknown --dtype {unknown}; choose from {', '.join(_DTYPES)}")
+        for text in names:
+            name, config, path = _resolve_config(text, total)
+            checkpoint = path or checkpoint
+            for dtype in dtypes:
+                for batch in args.batch or [1]:
+                    for threads in args.threads or [1]:
+                        cells.append(
+                            Cell(name, config, _DTYPES[dtype], batch, threads, args.prompt_len, args.new_tokens)
+                        )
+    else:
+        for name, dtype, batch, threads in DEFAULT_CELLS:
+            _, config, _ = _resolve_config(name, total)
+            cells.append(Cell(name, config, _DTYPES[dtype], batch, threads, args.prompt_len, args.new_tokens))
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        raise ValueError(f"unknown --contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    return BenchSpec(
+        cells=cells,
+        contenders=contenders,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        memory=not args.no_memory,
+        seed=args.seed,
+        init_std=args.init_std,
+        checkpoint=checkpoint,
+        max_rows=args.max_rows,
+        nocache_max_batch=args.nocache_max_batch,
+    )
+
+
+def _split_config(value: str) -> list[str]:
+    """Comma-separated names, but a JSON object or a path stays whole."""
+    if value.lstrip().startswith("{") or "/" in value:
+        return [value]
+    return value.split(",")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark from command-line arguments; returns the exit status.
+
+    Exit status: 0 when every contender's output passed the correctness check, 1 when
+    one failed, 2 for bad arguments.
+    """
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.memory_probe:
+        from attn.bench.run import memory_probe
+
+        print(json.dumps(memory_probe(json.loads(args.memory_probe))))
+        return 0
+    try:
+        spec = _spec(args)
+    except ValueError as error:
+        parser.error(str(error))
+    result = run_benchmark(spec)
+    if args.plot:
+        problem = write_plot(result, args.plot)
+        result.notes.append(f"plot: {problem}" if problem else f"plot written to {args.plot}")
+    print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"JSON written to {args.json}")
+    return 1 if any(row.check_ok is False for row in result.rows) else 0

@@ -1,0 +1,501 @@
+"""The contenders: ways to generate the same greedy tokens, each timed token by token.
+
+Shapes: b = batch, P = prompt length, N = new tokens, v = vocab.
+
+Every contender answers ``generate(ctx, new_tokens, want_logits)`` with a ``Generated``: its
+tokens, optionally its logits (for the correctness check), and a time stamp taken as each
+forward pass returned (the prefill first), from which the benchmark derives time to first
+token, decode tokens/s and latency per position. ``attn`` contenders go through
+``attn.generate``; ``transformers`` ones through ``LlamaForCausalLM.generate`` with weights
+copied from the ``attn`` model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import attn
+from attn import compat
+from attn.compat import CachePolicy, CompatWarning
+from attn.context import disable_kv_cache
+from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.fast_decode import DecodeCompiled, compile_for_decode
+
+__all__ = [
+    "CONTENDERS",
+    "DEFAULT_CONTENDERS",
+    "Cell",
+    "CellContext",
+    "Contender",
+    "Generated",
+    "make_contender",
+]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One benchmark setting: model size, dtype, batch, threads and lengths."""
+
+    config_name: str
+    config: DecoderConfig
+    dtype: torch.dtype
+    batch_size: int
+    threads: int
+    prompt_len: int
+    new_tokens: int
+
+    @property
+    def dtype_name(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+    @property
+    def label(self) -> str:
+        return f"{self.config_name} {self.dtype_name} b{self.batch_size} t{self.threads}"
+
+
+@dataclass
+class Generated:
+    """One generation: tokens, logits, and when each forward pass returned.
+
+    Attributes:
+        tokens: (b, N) the generated tokens.
+        logits: (b, N, v) fp32 logits that produced them, when asked for.
+        start: ``time.perf_counter()`` when the call started.
+        stamps: ``time.perf_counter()`` as each forward pass returned; ``stamps[0]`` is the
+            prefill (or, without a cache, the first full pass).
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor | None
+    start: float
+    stamps: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        """Seconds to the first token (the prefill's forward pass)."""
+        return self.stamps[0] - self.start
+
+    @property
+    def step_latencies(self) -> list[float]:
+        """Seconds per forward pass after the first: one per decode step."""
+        return [b - a for a, b in zip(self.stamps[:-1], self.stamps[1:], strict=True)]
+
+    def decode_tokens_per_s(self, batch_size: int) -> float:
+        """Tokens produced by decode steps (all rows) per second of decode."""
+        steps = len(self.stamps) - 1
+        return batch_size * steps / (self.stamps[-1] - self.stamps[0])
+
+
+class _Timed:
+    """Forwards everything to a model and stamps the time as each call returns."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.stamps: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        self.stamps.append(time.perf_counter())
+        return out
+
+
+@contextmanager
+def cache_policy(policy: CachePolicy | None) -> Iterator[None]:
+    """Runs the body under ``policy`` (``None``: leave it), then restores the previous one."""
+    if policy is None:
+        yield
+        return
+    before = compat.cache_policy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompatWarning)
+        compat.set_cache_policy(policy)
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CompatWarning)
+            compat.set_cache_policy(before.policy if before.source == "override" else None)
+
+
+def init_weights(model: nn.Module, std: float, seed: int) -> None:
+    """Random weights: matrices ~ N(0, std); norms stay at one."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32) * std)
+
+
+def transformers_available() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def hf_config(config: DecoderConfig) -> Any:
+    """A ``transformers.LlamaConfig`` for the same architecture as ``config``, without EOS."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.embed_dim,
+        intermediate_size=config.hidden_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_base,
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def hf_state_dict(model: TransformerDecoder) -> dict[str, torch.Tensor]:
+    """``model``'s weights under ``LlamaForCausalLM`` names (the layouts match: no permutation)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    if model.output is not None:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(model.config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
+        names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[f"{ours}attn.{proj}.weight"] = f"{theirs}self_attn.{proj}.weight"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[f"{ours}mlp.{proj}.weight"] = f"{theirs}mlp.{proj}.weight"
+    state = model.state_dict()
+    return {theirs: state[ours] for ours, theirs in names.items()}
+
+
+class CellContext:
+    """What the contenders of one cell share: models, caches, prompts (built on first use).
+
+    Args:
+        cell: the setting.
+        seed: seed for weights and prompts.
+        init_std: standard deviation of the random weights (0.05: at 0.02 greedy decoding
+            collapses into one repeated token and an equality check proves little).
+        checkpoint: a Hugging Face checkpoint directory to load instead of random weights.
+        max_rows: ``compile_for_decode``'s ``max_rows``.
+        nocache_max_batch: largest batch the no-cache contender runs at (it costs a prefill
+            per token).
+        standalone: build each model on its own (memory probes: no second model in memory).
+    """
+
+    def __init__(
+        self,
+        cell: Cell,
+        *,
+        seed: int = 0,
+        init_std: float = 0.05,
+        checkpoint: str | None = None,
+        max_rows: int = 8,
+        nocache_max_batch: int = 1,
+        standalone: bool = False,
+    ) -> None:
+        self.cell = cell
+        self.nocache_max_batch = nocache_max_batch
+        self.seed = seed
+        self.init_std = init_std
+        self.checkpoint = checkpoint
+        self.max_rows = max_rows
+        self.standalone = standalone
+        generator = torch.Generator().manual_seed(seed + 1)
+        self.prompts = torch.randint(
+            1, cell.config.vocab_size, (cell.batch_size, cell.prompt_len), generator=generator
+        )  # (b, P)
+        self._fp32: TransformerDecoder | None = None
+        self._model: TransformerDecoder | None = None
+        self._hf: Any = None
+
+    def _build(self, dtype: torch.dtype) -> TransformerDecoder:
+        """A fresh model in ``dtype``, created in that dtype (no transient fp32 copy)."""
+        if self.checkpoint is not None:
+            from attn.checkpoint import load_pretrained
+
+            return load_pretrained(self.checkpoint, dtype=dtype).eval()
+        with _default_dtype(dtype):
+            model = TransformerDecoder(self.cell.config).eval()
+        init_weights(model, self.init_std, self.seed)
+        return model
+
+    @property
+    def reference_model(self) -> TransformerDecoder:
+        """The fp32 model (for checks; the timed model too in fp32 cells)."""
+        if self._fp32 is None:
+            self._fp32 = self._build(torch.float32)
+        return self._fp32
+
+    @property
+    def model(self) -> TransformerDecoder:
+        """The timed ``attn`` model, in the cell's dtype, with caches for ``P + N`` tokens."""
+        if self._model is None:
+            if self.cell.dtype == torch.float32:
+                model = self.reference_model
+            elif self.standalone:
+                model = self._build(self.cell.dtype)
+            else:
+                model = TransformerDecoder(self.cell.config).eval().to(self.cell.dtype)
+                model.load_state_dict(self.reference_model.state_dict())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CompatWarning)
+                model.setup_caches(self.cell.batch_size, self.cell.prompt_len + self.cell.new_tokens)
+            self._model = model
+        return self._model
+
+    def hf_model(self) -> Any:
+        """A ``LlamaForCausalLM`` with the same weights, in the cell's dtype (shared by HF contenders)."""
+        if self._hf is None:
+            import transformers
+
+            standalone = self.standalone and self.checkpoint is None
+            with warnings.catch_warnings(), _default_dtype(self.cell.dtype if standalone else torch.float32):
+                warnings.simplefilter("ignore")
+                hf = transformers.LlamaForCausalLM(hf_config(self.cell.config)).eval()
+            if standalone:
+                init_weights(hf, self.init_std, self.seed)
+            else:
+                hf.load_state_dict(hf_state_dict(self.reference_model), strict=False)
+                if hf.config.tie_word_embeddings:
+                    hf.tie_weights()
+            self._hf = hf.to(self.cell.dtype)
+        return self._hf
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+class Contender:
+    """A way to generate greedily; subclasses fill in ``generate``.
+
+    Attributes:
+        name: short name used on the command line and in the table.
+        description: one line for the table's legend.
+        warmup_tokens: tokens of the warm-up generation (``None``: a full one, which is
+            then also the checked one).
+        max_repeats: cap on timed generations (``None``: as many as asked).
+        memory_probe: measure this contender's peak memory in a fresh process.
+    """
+
+    name = ""
+    description = ""
+    warmup_tokens: int | None = None
+    max_repeats: int | None = None
+    memory_probe = True
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        """Why this contender cannot run in this cell, or ``None``."""
+        return None
+
+    def setup(self, ctx: CellContext) -> None:
+        """Builds what the contender needs (models, compiled wrappers); not timed."""
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        raise NotImplementedError
+
+    def graphs(self) -> int | None:
+        """Graphs compiled so far, for contenders that compile; ``None`` otherwise."""
+        return None
+
+
+class AttnEager(Contender):
+    """``attn.generate`` on the eager model, under a given cache policy."""
+
+    def __init__(self, name: str, policy: CachePolicy, description: str, *, memory_probe: bool = True) -> None:
+        self.name = name
+        self.policy = policy
+        self.description = description
+        self.memory_probe = memory_probe
+
+    def runner(self, ctx: CellContext) -> Any:
+        return ctx.model
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        timed = _Timed(self.runner(ctx))
+        with cache_policy(self.policy):
+            start = time.perf_counter()
+            out = attn.generate(timed, ctx.prompts, max_new_tokens=new_tokens, return_logits=want_logits)
+        return Generated(out.generated, out.logits, start, timed.stamps)
+
+
+class AttnCompiled(AttnEager):
+    """``attn.generate`` through ``attn.compile_for_decode``: eager prefill, compiled decode step."""
+
+    def __init__(self, name: str, policy: CachePolicy, description: str, *, rewrite: bool = True) -> None:
+        super().__init__(name, policy, description)
+        self.rewrite = rewrite
+        self.fast: DecodeCompiled | None = None
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        if self.policy is CachePolicy.INFERENCE and not compat.release_support().traces_is_inference:
+            row = compat.release_support()
+            return f"torch {compat.torch_version()} cannot compile the INFERENCE policy ({row.reason})"
+        return None
+
+    def setup(self, ctx: CellContext) -> None:
+        self.fast = compile_for_decode(ctx.model, max_rows=ctx.max_rows, rewrite_linears=self.rewrite)
+
+    def runner(self, ctx: CellContext) -> Any:
+        if self.fast is None:
+            raise RuntimeError(f"{self.name}: setup() was not called")
+        return self.fast
+
+    def graphs(self) -> int | None:
+        return None if self.fast is None else self.fast.stats.graphs
+
+
+class AttnNoCache(Contender):
+    """Greedy decoding with no cache: every step runs the whole sequence again."""
+
+    name = "attn-nocache"
+    description = "attn eager, no KV-cache: a full forward pass over the whole sequence per token"
+    warmup_tokens = 2
+    max_repeats = 1
+    memory_probe = False
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        if ctx.cell.batch_size > ctx.nocache_max_batch:
+            return (
+                f"batch {ctx.cell.batch_size} > --nocache-max-batch {ctx.nocache_max_batch} "
+                "(a full forward pass per token takes minutes here)"
+            )
+        return None
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        model = ctx.model
+        tokens = ctx.prompts
+        stamps: list[float] = []
+        kept: list[torch.Tensor] = []
+        start = time.perf_counter()
+        with torch.inference_mode(), disable_kv_cache(model):
+            for _ in range(new_tokens):
+                logits = model(tokens)[:, -1]  # (b, v)
+                stamps.append(time.perf_counter())
+                if want_logits:
+                    kept.append(logits.float())
+                tokens = torch.cat((tokens, logits.float().argmax(-1)[:, None]), dim=1)  # (b, s + 1)
+        generated = tokens[:, ctx.prompts.shape[1] :].clone()  # (b, N)
+        logits_out = torch.stack(kept, dim=1).clone() if want_logits else None  # (b, N, v)
+        return Generated(generated, logits_out, start, stamps)
+
+
+class HFGenerate(Contender):
+    """``transformers``' ``generate`` with a static or a dynamic cache, same weights."""
+
+    def __init__(self, cache: str) -> None:
+        self.cache = cache
+        self.name = f"hf-{cache}"
+        self.description = f"transformers LlamaForCausalLM.generate, {cache} cache, eager, inference mode"
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        if not transformers_available():
+            return "transformers is not installed (pip install transformers to compare with it)"
+        return None
+
+    def setup(self, ctx: CellContext) -> None:
+        ctx.hf_model()
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        import transformers
+
+        hf = ctx.hf_model()
+        config = transformers.GenerationConfig(
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            cache_implementation="static" if self.cache == "static" else None,
+            return_dict_in_generate=True,
+            output_logits=want_logits,
+        )
+        stamps: list[float] = []
+        hook = hf.register_forward_hook(lambda *_: stamps.append(time.perf_counter()))
+        prompts = ctx.prompts
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")
+                start = time.perf_counter()
+                out = hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+        finally:
+            hook.remove()
+        tokens = out.sequences[:, prompts.shape[1] :].clone()  # (b, N)
+        logits = torch.stack(out.logits, dim=1).float().clone() if want_logits else None  # (b, N, v)
+        return Generated(tokens, logits, start, stamps)
+
+
+CONTENDERS: dict[str, Any] = {
+    "attn-eager": lambda: AttnEager(
+        "attn-eager", CachePolicy.FLAG, "attn.generate, eager, FLAG cache policy (the default)"
+    ),
+    "attn-eager-inference": lambda: AttnEager(
+        "attn-eager-inference",
+        CachePolicy.INFERENCE,
+        "attn.generate, eager, INFERENCE cache policy (memory: same as attn-eager)",
+        memory_probe=False,
+    ),
+    "attn-compiled": lambda: AttnCompiled(
+        "attn-compiled",
+        CachePolicy.FLAG,
+        "attn.compile_for_decode: eager prefill, inductor decode step with row-wise linears, FLAG policy",
+    ),
+    "attn-compiled-plain": lambda: AttnCompiled(
+        "attn-compiled-plain",
+        CachePolicy.FLAG,
+        "decode step compiled with stock inductor (no linear rewrite), FLAG policy",
+        rewrite=False,
+    ),
+    "attn-compiled-inference": lambda: AttnCompiled(
+        "attn-compiled-inference",
+        CachePolicy.INFERENCE,
+        "attn.compile_for_decode under the INFERENCE policy (only where dynamo traces is_inference)",
+    ),
+    "attn-nocache": AttnNoCache,
+    "hf-static": lambda: HFGenerate("static"),
+    "hf-dynamic": lambda: HFGenerate("dynamic"),
+}
+"""Every contender by name: a factory for a fresh instance."""
+
+DEFAULT_CONTENDERS = (
+    "attn-eager",
+    "attn-eager-inference",
+    "attn-compiled",
+    "attn-nocache",
+    "hf-static",
+    "hf-dynamic",
+)
+
+
+def make_contender(name: str) -> Contender:
+    """A fresh contender by name.
+
+    Raises:
+        ValueError: ``name`` is not one of ``CONTENDERS``.
+    """
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+    return CONTENDERS[name]()

@@ -1,0 +1,118 @@
+"""Measurements the benchmark takes on the spot: statistics over runs, read bandwidth, memory.
+
+Memory is read from Linux's ``/proc/self/status`` (``VmRSS``, and ``VmHWM``: the peak
+resident set size), with no third-party package. Writing ``5`` to ``/proc/self/clear_refs``
+resets the peak, so the peak of one phase (decode) can be read apart from earlier phases
+(imports, compiling). Where that is not allowed, the process-lifetime peak
+(``resource.getrusage``) is all there is, and the result says so.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Stats", "memory_info", "peak_rss_mb", "read_bandwidth", "reset_peak_rss", "rss_mb"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median, min and max of a list of measurements (and the list)."""
+
+    median: float
+    min: float
+    max: float
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        if not values:
+            raise ValueError("Stats.of needs at least one value")
+        return cls(statistics.median(values), min(values), max(values), tuple(values))
+
+
+def _status_kb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_mb() -> float | None:
+    """Resident set size now, in MB (``VmRSS``); ``None`` off Linux."""
+    kb = _status_kb("VmRSS")
+    return None if kb is None else kb / 1024
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident set size since start or since ``reset_peak_rss()``, in MB (``VmHWM``)."""
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb / 1024
+
+
+def process_peak_rss_mb() -> float:
+    """Peak resident set size over the process's life, in MB (``ru_maxrss``, never reset)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Resets ``VmHWM`` to the current RSS; ``False`` where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_info() -> str:
+    """How peak memory is measured on this machine, in a sentence for the report."""
+    if _status_kb("VmHWM") is None:
+        return "peak memory: unavailable (no /proc/self/status)"
+    return (
+        "peak RSS (VmHWM from /proc/self/status) in a fresh process per contender, reset "
+        "(/proc/self/clear_refs) after its warm-up generation, so it covers one timed "
+        "generation with everything the contender keeps resident (weights, cache, compiled code)"
+    )
+
+
+def read_bandwidth(threads: int, *, megabytes: int = 256, repeats: int = 9) -> tuple[float, float]:
+    """Memory read bandwidth in GB/s, ``(median, best)`` over passes of ``sum()`` over a buffer
+    far larger than the caches.
+
+    Args:
+        threads: torch intra-op threads to use (restored after).
+        megabytes: buffer size; at least several times the last-level cache.
+        repeats: timed passes.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+        buffer.sum()  # touch every page once
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buffer.sum()
+            times.append(time.perf_counter() - start)
+        size = buffer.numel() * 4
+        return size / statistics.median(times) / 1e9, size / min(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """The 1, 5 and 15 minute load averages, or ``None`` where unavailable."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None

@@ -1,0 +1,244 @@
+"""The benchmark's outputs: the table, the issue's targets, JSON, and the latency plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from attn.bench.run import BenchResult, CellInfo, Row
+
+__all__ = ["Target", "TargetResult", "evaluate_targets", "format_table", "write_json", "write_plot"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A speed target for ``attn-compiled`` in one cell (issue 6)."""
+
+    config_name: str
+    dtype: str
+    batch_size: int
+    threads: int
+    vs_hf_static: float
+    fraction_of_limit: float | None = None
+
+
+TARGETS = (
+    Target("small", "fp32", 1, 1, 2.0, 0.8),
+    Target("small", "bf16", 1, 2, 2.0, 0.6),
+    Target("small", "fp32", 8, 1, 1.5),
+    Target("base", "fp32", 1, 1, 1.5),
+)
+MEMORY_TOLERANCE = 1.10
+"""attn-compiled's decode peak RSS may exceed hf-static's (weights + cache + transformers'
+overhead) by at most 10%."""
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    cell: str
+    what: str
+    measured: str
+    met: bool | None  # None: could not be evaluated
+
+
+def _fmt_stats(row: Row) -> str:
+    s = row.decode_tokens_per_s
+    return "-" if s is None else f"{s.median:7.1f} [{s.min:.1f}-{s.max:.1f}]"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(result: BenchResult) -> str:
+    """The human-readable report: one block per cell, then targets and notes."""
+    lines = []
+    m = result.machine
+    lines.append(
+        f"attn bench - torch {m['torch']}, transformers {m.get('transformers') or 'not installed'}, "
+        f"{m['cpu']} ({m['logical_cpus']} logical CPUs), cache policy {m['cache_policy']}"
+    )
+    lines.append(
+        f"load average before {_load(m.get('load_average_before'))}, after {_load(m.get('load_average_after'))}"
+    )
+    header = (
+        f"  {'contender':<24} {'decode tok/s med [min-max]':>28} {'xHF-st':>6} {'%limit':>6} "
+        f"{'TTFT ms':>8} {'peak MB':>8} {'compile s':>9} {'graphs/re':>9}  check"
+    )
+    for info in result.cells:
+        lines.append("")
+        samples = "/".join(f"{b:.1f}" for b in info.read_bandwidth_samples)
+        lines.append(
+            f"{info.label}: prompt {info.prompt_len}, new {info.new_tokens}; read bandwidth "
+            f"{info.read_bandwidth_gb_s:.1f} GB/s (medians {samples}; "
+            f"fastest pass {info.read_bandwidth_best_gb_s:.1f}); "
+            f"memory-bound limit {info.limit_tokens_per_s:.0f} tok/s "
+            f"({info.weight_bytes_per_step / 1e6:.0f} MB weights + {info.kv_bytes_per_step / 1e6:.1f} MB cache "
+            f"read per step); weights {info.weights_mb:.0f} MiB, cache {info.cache_mb:.1f} MiB"
+        )
+        lines.append(header)
+        for row in result.rows_of(info.label).values():
+            if row.skipped:
+                lines.append(f"  {row.contender:<24} skipped: {row.skipped}")
+                continue
+            graphs = "-" if row.graphs is None else f"{row.graphs}/{row.recompiles_during_timed_runs}"
+            ttft = None if row.ttft_s is None else row.ttft_s.median * 1e3
+            fraction = None if row.fraction_of_limit is None else row.fraction_of_limit * 100
+            check = ("ok: " if row.check_ok else "FAILED: ") + row.check
+            lines.append(
+                f"  {row.contender:<24} {_fmt_stats(row):>28} {_num(row.vs_hf_static, '.2f'):>6} "
+                f"{_num(fraction, '.0f'):>6} {_num(ttft, '.0f'):>8} {_num(row.peak_rss_mb, '.0f'):>8} "
+                f"{_num(row.compile_s, '.1f'):>9} {graphs:>9}  {check}"
+            )
+        lines.extend(_cell_notes(info, result.rows_of(info.label)))
+    targets = evaluate_targets(result)
+    if targets:
+        lines.append("")
+        lines.append("targets (issue 6):")
+        for t in targets:
+            verdict = {True: "MET", False: "NOT MET", None: "n/a"}[t.met]
+            lines.append(f"  {t.cell:<20} {t.what:<52} {t.measured:<34} {verdict}")
+    failed = [r for r in result.rows if r.check_ok is False]
+    lines.append("")
+    if failed:
+        lines.append(f"CORRECTNESS: {len(failed)} contender(s) FAILED the check; their speed means nothing:")
+        lines.extend(f"  {r.cell} {r.contender}: {r.check}" for r in failed)
+    else:
+        checked = sum(r.check_ok is True for r in result.rows)
+        lines.append(f"correctness: all {checked} checked contender runs agree with the reference")
+    lines.append(
+        "columns: decode tok/s over all rows of the batch, after the first token; xHF-st = vs hf-static; "
+        "%limit = share of the memory-bound limit (bytes that must be read per step / read bandwidth); "
+        "TTFT = time to first token; peak MB = " + result.machine.get("memory_measurement", "")
+    )
+    lines.append(
+        "compile s = first decode step minus a normal one; graphs/re = decode graphs compiled / "
+        "compiled during the timed runs (0 = no recompiles)"
+    )
+    lines.extend(result.notes)
+    return "\n".join(lines)
+
+
+def _load(value: object) -> str:
+    if not value:
+        return "?"
+    return "/".join(f"{v:.2f}" for v in value)  # type: ignore[union-attr]
+
+
+def _cell_notes(info: CellInfo, rows: dict[str, Row]) -> list[str]:
+    notes = []
+    eager, inference = rows.get("attn-eager"), rows.get("attn-eager-inference")
+    if eager and inference and eager.decode_tokens_per_s and inference.decode_tokens_per_s:
+        change = inference.decode_tokens_per_s.median / eager.decode_tokens_per_s.median - 1
+        spread = max((s.max - s.min) / s.median for s in (eager.decode_tokens_per_s, inference.decode_tokens_per_s))
+        notes.append(
+            f"  policy overhead, eager: INFERENCE vs FLAG {change:+.1%} (run-to-run spread up to {spread:.0%})"
+        )
+    nocache = rows.get("attn-nocache")
+    if nocache and nocache.latency_ms:
+        first, last = nocache.latency_ms[0], nocache.latency_ms[-1]
+        notes.append(
+            f"  no cache: {1e3 * info.batch_size / first:.1f} tok/s at {nocache.positions[0]} tokens, "
+            f"{1e3 * info.batch_size / last:.1f} tok/s at {nocache.positions[-1]} tokens"
+        )
+    return notes
+
+
+def evaluate_targets(result: BenchResult) -> list[TargetResult]:
+    """Checks the issue's targets against the cells that were run."""
+    out = []
+    for info in result.cells:
+        rows = result.rows_of(info.label)
+        compiled, hf = rows.get("attn-compiled"), rows.get("hf-static")
+        if compiled is None or compiled.decode_tokens_per_s is None:
+            continue
+        for target in TARGETS:
+            if (target.config_name, target.dtype, target.batch_size, target.threads) != (
+                info.config_name,
+                info.dtype,
+                info.batch_size,
+                info.threads,
+            ):
+                continue
+            if compiled.vs_hf_static is None:
+                out.append(TargetResult(info.label, f">= {target.vs_hf_static}x hf-static", "no hf-static", None))
+            else:
+                out.append(
+                    TargetResult(
+                        info.label,
+                        f">= {target.vs_hf_static}x hf-static decode tok/s",
+                        f"{compiled.vs_hf_static:.2f}x",
+                        compiled.vs_hf_static >= target.vs_hf_static,
+                    )
+                )
+            if target.fraction_of_limit is not None and compiled.fraction_of_limit is not None:
+                out.append(
+                    TargetResult(
+                        info.label,
+                        f">= {target.fraction_of_limit:.0%} of the memory-bound limit",
+                        f"{compiled.fraction_of_limit:.0%}",
+                        compiled.fraction_of_limit >= target.fraction_of_limit,
+                    )
+                )
+        if compiled.graphs is not None:
+            out.append(
+                TargetResult(
+                    info.label,
+                    "decode compiles once, no recompiles",
+                    f"{compiled.graphs} graph(s), {compiled.recompiles_during_timed_runs} during timed runs",
+                    compiled.graphs == 1 and compiled.recompiles_during_timed_runs == 0,
+                )
+            )
+        if hf is not None and hf.peak_rss_mb and compiled.peak_rss_mb:
+            ratio = compiled.peak_rss_mb / hf.peak_rss_mb
+            out.append(
+                TargetResult(
+                    info.label,
+                    "peak RSS <= 1.1x hf-static's (weights+cache+overhead)",
+                    f"{compiled.peak_rss_mb:.0f} / {hf.peak_rss_mb:.0f} MB = {ratio:.2f}x",
+                    ratio <= MEMORY_TOLERANCE,
+                )
+            )
+        if compiled.check_ok is not None:
+            out.append(TargetResult(info.label, "same answer as attn eager", compiled.check[:34], compiled.check_ok))
+    return out
+
+
+def write_json(result: BenchResult, path: str | Path) -> None:
+    """Writes everything measured (rows, cells, machine, targets) as JSON."""
+    data = result.to_json()
+    data["targets"] = [t.__dict__ for t in evaluate_targets(result)]
+    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def write_plot(result: BenchResult, path: str | Path) -> str | None:
+    """Per-token latency against position, cache against no cache; one panel per cell.
+
+    Returns:
+        ``None`` on success, or why no plot was written (matplotlib missing).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: pip install matplotlib (or attn[bench]) to write --plot"
+    cells = result.cells
+    fig, axes = plt.subplots(len(cells), 1, figsize=(8, 3.6 * len(cells)), squeeze=False)
+    for ax, info in zip(axes[:, 0], cells, strict=True):
+        for row in result.rows_of(info.label).values():
+            if row.latency_ms:
+                style = "--" if row.contender == "attn-nocache" else "-"
+                ax.plot(row.positions, row.latency_ms, style, label=row.contender, linewidth=1.2)
+        ax.set_title(f"{info.label}: latency per token")
+        ax.set_xlabel("tokens attended (prompt + generated)")
+        ax.set_ylabel("ms per forward pass")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -1,0 +1,473 @@
+"""The benchmark driver: cells, alternating timed runs, checks, memory probes, the limit.
+
+For each cell (model size, dtype, batch, threads) it measures the read bandwidth, sets up
+every contender, runs a warm-up generation per contender (its first full generation is the
+one checked for correctness, and the one that compiles), then times ``repeats``
+generations per contender, alternating them (the order rotates every round) so that a
+change in machine load hits all of them alike. Peak memory is measured afterwards, one
+fresh process per contender.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attn.bench.check import Check, check_logits, check_tokens
+from attn.bench.contenders import Cell, CellContext, Contender, Generated, make_contender
+from attn.bench.measure import (
+    Stats,
+    load_average,
+    memory_info,
+    peak_rss_mb,
+    process_peak_rss_mb,
+    read_bandwidth,
+    reset_peak_rss,
+    rss_mb,
+)
+from attn.compat import CompatWarning
+from attn.decoder import DecoderConfig
+
+__all__ = ["BenchResult", "BenchSpec", "CellInfo", "Row", "run_benchmark"]
+
+REFERENCE = "attn-eager"
+
+
+@dataclass
+class BenchSpec:
+    """What to run.
+
+    Attributes:
+        cells: the settings to measure, in order.
+        contenders: contender names (see ``attn.bench.CONTENDERS``), or ``Contender``
+            objects (tests inject a deliberately wrong one).
+        repeats: timed generations per contender and cell (median, min, max over them).
+        warmup: warm-up generations per contender before timing (at least 1: the first
+            is the checked one, and the one that compiles).
+        memory: measure peak memory, one fresh process per contender.
+        seed: seed for weights and prompts.
+        init_std: standard deviation of the random weights.
+        checkpoint: a Hugging Face checkpoint directory (real weights) instead of random ones.
+        max_rows: ``attn.compile_for_decode``'s ``max_rows``.
+        nocache_max_batch: largest batch the no-cache contender runs at.
+    """
+
+    cells: list[Cell]
+    contenders: list[Any]
+    repeats: int = 5
+    warmup: int = 1
+    memory: bool = True
+    seed: int = 0
+    init_std: float = 0.05
+    checkpoint: str | None = None
+    max_rows: int = 8
+    nocache_max_batch: int = 1
+
+
+@dataclass
+class CellInfo:
+    """A cell's setting and the memory-bound limit measured for it."""
+
+    label: str
+    config_name: str
+    config: dict[str, Any]
+    dtype: str
+    batch_size: int
+    threads: int
+    prompt_len: int
+    new_tokens: int
+    read_bandwidth_gb_s: float
+    """The higher of the samples' medians (a neighbour's load only ever lowers it)."""
+    read_bandwidth_samples: list[float]
+    """Median over passes, measured before the warm-up and after the timed runs."""
+    read_bandwidth_best_gb_s: float
+    """The fastest single pass of all samples (an optimistic bound, for reference)."""
+    weight_bytes_per_step: int
+    kv_bytes_per_step: int
+    limit_tokens_per_s: float
+    weights_mb: float
+    cache_mb: float
+
+
+@dataclass
+class Row:
+    """One contender in one cell."""
+
+    cell: str
+    contender: str
+    description: str
+    skipped: str | None = None
+    decode_tokens_per_s: Stats | None = None
+    ttft_s: Stats | None = None
+    fraction_of_limit: float | None = None
+    vs_hf_static: float | None = None
+    first_generation_s: float | None = None
+    compile_s: float | None = None
+    graphs: int | None = None
+    recompiles_during_timed_runs: int | None = None
+    peak_rss_mb: float | None = None
+    peak_rss_process_mb: float | None = None
+    memory_note: str | None = None
+    check_ok: bool | None = None
+    check: str = ""
+    positions: list[int] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    """Median (over timed runs) latency of each forward pass after the first, by the
+    number of tokens it attends to (``positions``)."""
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured; ``to_json()`` for ``--json``."""
+
+    machine: dict[str, Any]
+    cells: list[CellInfo]
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    def rows_of(self, cell: str) -> dict[str, Row]:
+        return {row.contender: row for row in self.rows if row.cell == cell}
+
+
+# -- the memory-bound limit ------------------------------------------------------------
+
+
+def bytes_per_step(config: DecoderConfig, dtype: torch.dtype, batch_size: int, context: float) -> tuple[int, int]:
+    """Bytes a decode step must read at least: ``(weights, kv_cache)``.
+
+    Weights: every layer's matrices and norms, the final norm, the output head (the
+    embedding matrix when tied) and one embedding row per sequence. Cache: keys and values
+    of ``context`` tokens per sequence and layer.
+    """
+    size = torch.finfo(dtype).bits // 8
+    e, d = config.embed_dim, config.head_dim
+    attention = e * config.num_heads * d * 2 + e * config.num_kv_heads * d * 2  # q, o; k, v
+    mlp = 3 * e * config.hidden_dim
+    per_layer = attention + mlp + 2 * e
+    weights = config.num_layers * per_layer + e + config.vocab_size * e + batch_size * e
+    kv = 2 * config.num_layers * batch_size * config.num_kv_heads * d * context
+    return int(weights * size), int(kv * size)
+
+
+def _param_mb(config: DecoderConfig, dtype: torch.dtype) -> float:
+    size = torch.finfo(dtype).bits // 8
+    e = config.embed_dim
+    attention = e * config.num_heads * config.head_dim * 2 + e * config.num_kv_heads * config.head_dim * 2
+    per_layer = attention + 3 * e * config.hidden_dim + 2 * e
+    head = 0 if config.tie_embeddings else config.vocab_size * e
+    return (config.num_layers * per_layer + e + config.vocab_size * e + head) * size / 2**20
+
+
+def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
+    bandwidth = max(median for median, _ in bandwidths)
+    context = cell.prompt_len + cell.new_tokens / 2  # mean tokens attended by a decode step
+    weights, kv = bytes_per_step(cell.config, cell.dtype, cell.batch_size, context)
+    size = torch.finfo(cell.dtype).bits // 8
+    c = cell.config
+    cache_mb = 2 * c.num_layers * cell.batch_size * c.num_kv_heads * c.head_dim * (cell.prompt_len + cell.new_tokens)
+    return CellInfo(
+        label=cell.label,
+        config_name=cell.config_name,
+        config={k: getattr(c, k) for k in c.__dataclass_fields__},
+        dtype=cell.dtype_name,
+        batch_size=cell.batch_size,
+        threads=cell.threads,
+        prompt_len=cell.prompt_len,
+        new_tokens=cell.new_tokens,
+        read_bandwidth_gb_s=bandwidth,
+        read_bandwidth_samples=[median for median, _ in bandwidths],
+        read_bandwidth_best_gb_s=max(best for _, best in bandwidths),
+        weight_bytes_per_step=weights,
+        kv_bytes_per_step=kv,
+        limit_tokens_per_s=cell.batch_size * bandwidth * 1e9 / (weights + kv),
+        weights_mb=_param_mb(c, cell.dtype),
+        cache_mb=cache_mb * size / 2**20,
+    )
+
+
+# -- memory probes ---------------------------------------------------------------------
+
+
+def _cell_to_dict(cell: Cell) -> dict[str, Any]:
+    c = cell.config
+    return {
+        "config_name": cell.config_name,
+        "config": {k: getattr(c, k) for k in c.__dataclass_fields__},
+        "dtype": cell.dtype_name,
+        "batch_size": cell.batch_size,
+        "threads": cell.threads,
+        "prompt_len": cell.prompt_len,
+        "new_tokens": cell.new_tokens,
+    }
+
+
+def cell_from_dict(data: dict[str, Any]) -> Cell:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return Cell(
+        config_name=data["config_name"],
+        config=DecoderConfig(**data["config"]),
+        dtype=dtypes[data["dtype"]],
+        batch_size=data["batch_size"],
+        threads=data["threads"],
+        prompt_len=data["prompt_len"],
+        new_tokens=data["new_tokens"],
+    )
+
+
+def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a fresh process: one contender's peak RSS during one timed generation."""
+    warnings.simplefilter("ignore")
+    cell = cell_from_dict(spec["cell"])
+    torch.set_num_threads(cell.threads)
+    ctx = CellContext(
+        cell,
+        seed=spec["seed"],
+        init_std=spec["init_std"],
+        checkpoint=spec.get("checkpoint"),
+        max_rows=spec["max_rows"],
+        standalone=True,
+    )
+    contender = make_contender(spec["contender"])
+    contender.setup(ctx)
+    contender.generate(ctx, cell.new_tokens, want_logits=False)  # warm-up (and compile)
+    gc.collect()
+    before = rss_mb()
+    resettable = reset_peak_rss()
+    contender.generate(ctx, cell.new_tokens, want_logits=False)
+    return {
+        "rss_before_mb": before,
+        "peak_rss_mb": peak_rss_mb() if resettable else None,
+        "peak_rss_process_mb": max(process_peak_rss_mb(), peak_rss_mb() or 0.0),
+        "peak_reset": resettable,
+    }
+
+
+def _run_probe(cell: Cell, name: str, spec: BenchSpec, timeout: float = 1800.0) -> tuple[dict[str, Any] | None, str]:
+    payload = {
+        "cell": _cell_to_dict(cell),
+        "contender": name,
+        "seed": spec.seed,
+        "init_std": spec.init_std,
+        "checkpoint": spec.checkpoint,
+        "max_rows": spec.max_rows,
+    }
+    command = [sys.executable, "-m", "attn.bench", "--memory-probe", json.dumps(payload)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"memory probe timed out after {timeout:.0f} s"
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"memory probe failed (exit {done.returncode}): {tail}"
+    return json.loads(lines[-1]), ""
+
+
+# -- the driver ------------------------------------------------------------------------
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _check(ctx: CellContext, reference: Generated | None, got: Generated, is_reference: bool) -> Check:
+    if ctx.cell.dtype == torch.float32:
+        if is_reference:
+            return Check(True, "reference (fp32 greedy tokens every other contender must equal)")
+        if reference is None:
+            return Check(False, "MISMATCH: no reference run to compare with")
+        return check_tokens(reference.tokens, got.tokens, reference.logits)
+    return check_logits(ctx.reference_model, ctx.prompts, got.tokens, got.logits)
+
+
+def _median_latencies(runs: list[Generated], prompt_len: int) -> tuple[list[int], list[float]]:
+    """Per-step latency (ms, median over runs) by the number of tokens the pass attends to."""
+    steps = min(len(run.step_latencies) for run in runs)
+    latencies = [statistics.median(run.step_latencies[i] for run in runs) * 1e3 for i in range(steps)]
+    # Pass i (from 1) after the first attends to P + i tokens: from the cache, or recomputed.
+    positions = [prompt_len + i + 1 for i in range(steps)]
+    return positions, latencies
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "load_average_before": load_average(),
+        "memory_measurement": memory_info(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    from attn import compat
+
+    decision = compat.cache_policy()
+    info["cache_policy"] = f"{decision.policy.value} ({decision.source})"
+    return info
+
+
+def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[CellInfo, list[Row]]:
+    """Measures every contender in one cell; returns the cell's limit and one row each."""
+    torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over from other cells
+    torch.set_num_threads(cell.threads)
+    _log(f"== {cell.label}: measuring read bandwidth")
+    bandwidths = [read_bandwidth(cell.threads)]
+    ctx = CellContext(
+        cell,
+        seed=spec.seed,
+        init_std=spec.init_std,
+        checkpoint=spec.checkpoint,
+        max_rows=spec.max_rows,
+        nocache_max_batch=spec.nocache_max_batch,
+    )
+    rows: dict[str, Row] = {}
+    active: list[Contender] = []
+    for contender in contenders:
+        row = Row(cell=cell.label, contender=contender.name, description=contender.description)
+        rows[contender.name] = row
+        reason = contender.skip_reason(ctx)
+        if reason is not None:
+            row.skipped = reason
+            _log(f"   {contender.name}: skipped ({reason})")
+            continue
+        contender.setup(ctx)
+        active.append(contender)
+
+    # The reference: attn eager's greedy tokens (also run when it is not a contender).
+    reference: Generated | None = None
+    if cell.dtype == torch.float32:
+        reference = make_contender(REFERENCE).generate(ctx, cell.new_tokens, want_logits=True)
+
+    checked: dict[str, Generated] = {}
+    for contender in active:
+        _log(f"   {contender.name}: warm-up")
+        for i in range(max(spec.warmup, 1)):
+            full = contender.warmup_tokens is None
+            start = time.perf_counter()
+            run = contender.generate(
+                ctx, cell.new_tokens if full else contender.warmup_tokens, want_logits=full and i == 0
+            )
+            if i == 0:
+                rows[contender.name].first_generation_s = time.perf_counter() - start
+                if full:
+                    checked[contender.name] = run
+                    first_latency = run.step_latencies[0] if run.step_latencies else None
+                    rows[contender.name].compile_s = first_latency  # corrected below, after timing
+
+    graphs_before = {c.name: c.graphs() for c in active}
+    runs: dict[str, list[Generated]] = {c.name: [] for c in active}
+    for round_ in range(spec.repeats):
+        order = active[round_ % len(active) :] + active[: round_ % len(active)] if active else []
+        for contender in order:
+            cap = contender.max_repeats
+            if cap is not None and len(runs[contender.name]) >= cap:
+                continue
+            want_logits = contender.name not in checked and not runs[contender.name]
+            _log(f"   {contender.name}: run {len(runs[contender.name]) + 1}")
+            run = contender.generate(ctx, cell.new_tokens, want_logits=want_logits)
+            if want_logits:
+                checked[contender.name] = run
+            runs[contender.name].append(run)
+
+    _log(f"== {cell.label}: measuring read bandwidth again")
+    bandwidths.append(read_bandwidth(cell.threads))
+    info = cell_info(cell, bandwidths)
+    hf_static = None
+    for contender in active:
+        row = rows[contender.name]
+        timed = runs[contender.name]
+        if not timed:
+            continue
+        row.decode_tokens_per_s = Stats.of([run.decode_tokens_per_s(cell.batch_size) for run in timed])
+        row.ttft_s = Stats.of([run.ttft for run in timed])
+        row.fraction_of_limit = row.decode_tokens_per_s.median / info.limit_tokens_per_s
+        row.positions, row.latency_ms = _median_latencies(timed, cell.prompt_len)
+        graphs = contender.graphs()
+        if graphs is not None:
+            row.graphs = graphs
+            row.recompiles_during_timed_runs = graphs - (graphs_before[contender.name] or 0)
+            median_step = statistics.median(lat for run in timed for lat in run.step_latencies)
+            if row.compile_s is not None:
+                row.compile_s = max(row.compile_s - median_step, 0.0)  # first decode step minus a normal one
+        else:
+            row.compile_s = None
+        verdict = _check(ctx, reference, checked[contender.name], contender.name == REFERENCE)
+        row.check_ok, row.check = verdict.ok, verdict.detail
+        if contender.name == "hf-static":
+            hf_static = row.decode_tokens_per_s.median
+    if hf_static:
+        for row in rows.values():
+            if row.decode_tokens_per_s is not None:
+                row.vs_hf_static = row.decode_tokens_per_s.median / hf_static
+
+    if spec.memory:
+        for contender in active:
+            row = rows[contender.name]
+            if not contender.memory_probe:
+                row.memory_note = "not measured"
+                continue
+            _log(f"   {contender.name}: memory probe (fresh process)")
+            probe, error = _run_probe(cell, contender.name, spec)
+            if probe is None:
+                row.memory_note = error
+                continue
+            row.peak_rss_mb = probe["peak_rss_mb"]
+            row.peak_rss_process_mb = probe["peak_rss_process_mb"]
+            if not probe["peak_reset"]:
+                row.memory_note = "peak RSS could not be reset: process-lifetime peak only"
+    return info, list(rows.values())
+
+
+def run_benchmark(spec: BenchSpec) -> BenchResult:
+    """Runs every cell of ``spec``; returns what it measured (nothing is printed to stdout)."""
+    if spec.repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {spec.repeats}")
+    machine = _machine()
+    threads_before = torch.get_num_threads()
+    result = BenchResult(machine=machine, cells=[], rows=[])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CompatWarning)
+            for cell in spec.cells:
+                contenders = [make_contender(c) if isinstance(c, str) else c for c in spec.contenders]
+                info, rows = run_cell(cell, spec, contenders)
+                result.cells.append(info)
+                result.rows.extend(rows)
+                del contenders
+                gc.collect()
+    finally:
+        torch.set_num_threads(threads_before)
+    machine["load_average_after"] = load_average()
+    machine["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return result

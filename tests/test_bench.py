@@ -1,0 +1,154 @@
+"""attn/bench: the benchmark runs on tiny sizes, its JSON has the fields, and its correctness
+check fails when a contender's answer is wrong. No timing assertions: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import attn
+from attn import bench, compat
+from attn.bench.check import check_logits, check_tokens
+from attn.bench.contenders import AttnEager, Cell, CellContext, Generated, transformers_available
+from attn.bench.run import BenchSpec, run_benchmark
+from attn.compat import CachePolicy
+
+TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48)
+TINY_JSON = json.dumps(TINY)
+ARGS = ["--prompt-len", "6", "--new-tokens", "5", "--repeats", "2", "--no-memory"]
+
+
+def tiny_cell(dtype: torch.dtype = torch.float32, batch_size: int = 2) -> Cell:
+    config = attn.DecoderConfig(max_seq_len=64, **TINY)
+    return Cell("tiny", config, dtype, batch_size, 1, 6, 5)
+
+
+class WrongAnswer(AttnEager):
+    """attn eager, but the last generated token of row 0 is off by one: must be caught."""
+
+    def __init__(self) -> None:
+        super().__init__("attn-wrong", CachePolicy.FLAG, "deliberately wrong", memory_probe=False)
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        run = super().generate(ctx, new_tokens, want_logits)
+        run.tokens[0, -1] = (run.tokens[0, -1] + 1) % ctx.cell.config.vocab_size
+        return run
+
+
+@pytest.fixture(scope="module")
+def result_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """One full command-line run (every default contender, compiled one included)."""
+    before = compat._decision
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    status = bench.main(["--config", TINY_JSON, *ARGS, "--json", str(path)])
+    assert status == 0
+    yield json.loads(path.read_text())
+    compat._decision = before
+
+
+def test_json_has_every_field(result_json: dict) -> None:
+    assert {"machine", "cells", "rows", "notes", "targets"} <= set(result_json)
+    assert {"torch", "cpu", "load_average_before", "load_average_after", "memory_measurement"} <= set(
+        result_json["machine"]
+    )
+    (cell,) = result_json["cells"]
+    assert cell["read_bandwidth_gb_s"] > 0 and cell["limit_tokens_per_s"] > 0
+    assert cell["weight_bytes_per_step"] > 0 and cell["kv_bytes_per_step"] > 0
+    rows = {row["contender"]: row for row in result_json["rows"]}
+    expected = {"attn-eager", "attn-eager-inference", "attn-compiled", "attn-nocache", "hf-static", "hf-dynamic"}
+    assert set(rows) == expected
+    for name, row in rows.items():
+        if name.startswith("hf-") and not transformers_available():
+            assert "transformers is not installed" in row["skipped"]
+            continue
+        assert row["skipped"] is None, row
+        assert row["check_ok"] is True, row["check"]
+        stats = row["decode_tokens_per_s"]
+        assert stats["min"] <= stats["median"] <= stats["max"] and len(stats["values"]) >= 1
+        assert row["ttft_s"]["median"] > 0 and row["fraction_of_limit"] > 0
+        assert len(row["positions"]) == len(row["latency_ms"]) == 4  # 5 new tokens: 4 decode steps
+    compiled = rows["attn-compiled"]
+    assert compiled["graphs"] == 1 and compiled["recompiles_during_timed_runs"] == 0
+    assert compiled["compile_s"] is not None
+    assert rows["attn-eager"]["graphs"] is None
+    assert len(rows["attn-nocache"]["decode_tokens_per_s"]["values"]) == 1  # capped at one run
+    if transformers_available():
+        assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
+
+
+def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    status = bench.main(["--config", TINY_JSON, *ARGS, "--contenders", "attn-eager,attn-eager-inference"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "attn-eager-inference" in out and "identical greedy tokens (5)" in out
+    assert "correctness: all 2 checked contender runs agree" in out
+    assert "policy overhead, eager: INFERENCE vs FLAG" in out
+
+
+def test_wrong_contender_fails_the_check() -> None:
+    spec = BenchSpec(cells=[tiny_cell()], contenders=["attn-eager", WrongAnswer()], repeats=1, memory=False)
+    result = run_benchmark(spec)
+    rows = result.rows_of(result.cells[0].label)
+    assert rows["attn-eager"].check_ok is True
+    assert rows["attn-wrong"].check_ok is False
+    assert "MISMATCH: 1 of 10 tokens differ; first at row 0, step 4" in rows["attn-wrong"].check
+    table = bench.format_table(result)
+    assert "CORRECTNESS: 1 contender(s) FAILED the check" in table
+
+
+def test_check_tokens() -> None:
+    reference = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert check_tokens(reference, reference.clone()).ok
+    logits = torch.zeros(2, 3, 10)
+    logits[1, 1, 5], logits[1, 1, 7] = 2.0, 1.5
+    verdict = check_tokens(reference, torch.tensor([[1, 2, 3], [4, 7, 6]]), logits)
+    assert not verdict.ok and "first at row 1, step 1 (7 instead of 5)" in verdict.detail
+    assert "preferred its token by 0.5 logits" in verdict.detail
+    assert not check_tokens(reference, reference[:, :2]).ok
+
+
+def test_bf16_logits_check_passes_bf16_and_fails_a_wrong_answer() -> None:
+    cell = tiny_cell(torch.bfloat16)
+    ctx = CellContext(cell)
+    run = AttnEager("attn-eager", CachePolicy.FLAG, "").generate(ctx, cell.new_tokens, want_logits=True)
+    assert ctx.model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert check_logits(ctx.reference_model, ctx.prompts, run.tokens, run.logits).ok
+    shuffled = run.logits.roll(1, dims=-1)  # plausible-looking numbers, wrong answer
+    verdict = check_logits(ctx.reference_model, ctx.prompts, run.tokens, shuffled)
+    assert not verdict.ok and verdict.detail.startswith("MISMATCH")
+    assert not check_logits(ctx.reference_model, ctx.prompts, run.tokens, None).ok
+
+
+def test_memory_probe_runs_in_a_fresh_process() -> None:
+    from attn.bench.run import _run_probe
+
+    spec = BenchSpec(cells=[], contenders=[], memory=True)
+    probe, error = _run_probe(tiny_cell(), "attn-eager", spec, timeout=300)
+    assert probe is not None, error
+    assert probe["peak_rss_process_mb"] > 50  # torch alone is more than that
+    if probe["peak_reset"]:
+        assert probe["rss_before_mb"] <= probe["peak_rss_mb"] <= probe["peak_rss_process_mb"]  # reset: phase peak
+
+
+def test_plot_or_a_clear_message(tmp_path: Path) -> None:
+    spec = BenchSpec(cells=[tiny_cell()], contenders=["attn-eager", "attn-nocache"], repeats=1, memory=False)
+    result = run_benchmark(spec)
+    problem = bench.write_plot(result, tmp_path / "latency.png")
+    if problem is None:
+        assert (tmp_path / "latency.png").stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in problem
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--contenders", "attn-eager,nonsense"])
+    assert exit_info.value.code == 2
+    assert "unknown --contenders ['nonsense']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--config", "no-such-config"])
