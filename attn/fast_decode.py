@@ -93,21 +93,28 @@ class DecodeCompileStats:
             recompile: a new batch size, cache length, dtype or cache policy).
         linears_rewritten: linear layers turned into row-wise reductions, over all graphs.
         compile_seconds: wall time spent in inductor, over all graphs.
+        vector_bits: SIMD width the last graph was compiled with (``None``: inductor's choice).
     """
 
     graphs: int = 0
     linears_rewritten: int = 0
     compile_seconds: float = 0.0
+    vector_bits: int | None = None
 
 
-def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> int:
-    """Points every bias-free linear with at most ``max_rows`` input rows at ``rowwise_linear``."""
-    rewritten = 0
+def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tuple[int, torch.dtype]]:
+    """Points every bias-free linear with at most ``max_rows`` input rows at ``rowwise_linear``.
+
+    Returns:
+        ``(rows, weight dtype)`` of each linear rewritten.
+    """
+    rewritten = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
             continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         example = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
+        weight = node.args[1].meta.get("example_value") if isinstance(node.args[1], torch.fx.Node) else None
         if bias is not None or not isinstance(example, torch.Tensor) or example.dim() == 0:
             continue
         rows = example.numel() // max(int(example.shape[-1]), 1)
@@ -116,11 +123,35 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> int:
         node.target = rowwise_linear
         node.args = (node.args[0], node.args[1])
         node.kwargs = {}
-        rewritten += 1
+        rewritten.append((rows, weight.dtype if isinstance(weight, torch.Tensor) else example.dtype))
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _double_pumped_avx512() -> bool:
+    """Is this an AMD CPU with AVX-512 (Zen 4 runs 512-bit vectors as two 256-bit halves)?"""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read(65536)
+    except OSError:
+        return False
+    return "AuthenticAMD" in text and " avx512f" in text
+
+
+def _vector_bits(rewritten: list[tuple[int, torch.dtype]], requested: int | None) -> int | None:
+    """The SIMD width to compile with: ``requested``, or a measured choice, or inductor's.
+
+    Measured on an AMD EPYC (Zen 4, AVX-512), one thread: single-row fp32 reductions run
+    about 13% faster as 256-bit code (a 56M-parameter decode step: 11.5 -> 10.0 ms); bf16
+    and 8-row steps were 2-4% slower, so they keep inductor's default.
+    """
+    if requested is not None:
+        return requested
+    if rewritten and all(rows == 1 and dtype == torch.float32 for rows, dtype in rewritten):
+        return 256 if _double_pumped_avx512() else None
+    return None
 
 
 class DecodeCompiled(nn.Module):
@@ -133,11 +164,14 @@ class DecodeCompiled(nn.Module):
     Build it with ``attn.compile_for_decode``.
     """
 
-    def __init__(self, model: nn.Module, *, max_rows: int, rewrite: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_rows: int, rewrite: bool = True, vector_bits: int | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.max_rows = max_rows
         self.rewrite = rewrite
+        self.vector_bits = vector_bits
         self.stats = DecodeCompileStats()
         # Not a submodule: the wrapped model is registered once, as ``model``.
         object.__setattr__(self, "_step", torch.compile(model, fullgraph=True, backend=self._backend))
@@ -158,9 +192,17 @@ class DecodeCompiled(nn.Module):
 
         start = time.perf_counter()
         self.stats.graphs += 1
-        if self.rewrite:
-            self.stats.linears_rewritten += _rewrite_small_linears(gm, self.max_rows)
-        compiled = compile_fx(gm, example_inputs)
+        rewritten = _rewrite_small_linears(gm, self.max_rows) if self.rewrite else []
+        self.stats.linears_rewritten += len(rewritten)
+        bits = _vector_bits(rewritten, self.vector_bits) if self.rewrite else self.vector_bits
+        self.stats.vector_bits = bits
+        if bits is None:
+            compiled = compile_fx(gm, example_inputs)
+        else:
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch({"cpp.simdlen": bits}):
+                compiled = compile_fx(gm, example_inputs)
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
@@ -180,7 +222,9 @@ class DecodeCompiled(nn.Module):
         return self._step(tokens, **kwargs)
 
 
-def compile_for_decode(model: nn.Module, *, max_rows: int = 8, rewrite_linears: bool = True) -> DecodeCompiled:
+def compile_for_decode(
+    model: nn.Module, *, max_rows: int = 8, rewrite_linears: bool = True, vector_bits: int | None = None
+) -> DecodeCompiled:
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
     The step compiles on its first call (tens of seconds for a 100M-parameter model on two
@@ -195,6 +239,9 @@ def compile_for_decode(model: nn.Module, *, max_rows: int = 8, rewrite_linears: 
         max_rows: linear layers with at most this many input rows (batch size for decode)
             are rewritten into row-wise reductions; larger batches keep the BLAS kernel.
         rewrite_linears: ``False`` compiles the step with stock inductor (for comparison).
+        vector_bits: SIMD width for the generated code (inductor's ``cpp.simdlen``: 256,
+            512); ``None`` lets inductor choose, except 256 for fp32 batch-1 decode on AMD
+            CPUs with AVX-512, where it measured faster.
 
     Returns:
         A ``DecodeCompiled`` to pass to ``attn.generate`` in place of the model.
@@ -206,6 +253,8 @@ def compile_for_decode(model: nn.Module, *, max_rows: int = 8, rewrite_linears: 
     """
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
+    if vector_bits not in (None, 128, 256, 512):
+        raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")
     if model.training:
         raise ValueError("compile_for_decode is for inference: call model.eval() first")
-    return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears)
+    return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits)

@@ -74,7 +74,7 @@ def test_json_has_every_field(result_json: dict) -> None:
         assert len(row["positions"]) == len(row["latency_ms"]) == 4  # 5 new tokens: 4 decode steps
     compiled = rows["attn-compiled"]
     assert compiled["graphs"] == 1 and compiled["recompiles_during_timed_runs"] == 0
-    assert compiled["compile_s"] is not None
+    assert compiled["compile_s"] is not None and "row-wise reductions" in compiled["note"]
     assert rows["attn-eager"]["graphs"] is None
     assert len(rows["attn-nocache"]["decode_tokens_per_s"]["values"]) == 1  # capped at one run
     if transformers_available():
@@ -82,7 +82,7 @@ def test_json_has_every_field(result_json: dict) -> None:
 
 
 def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:
-    status = bench.main(["--config", TINY_JSON, *ARGS, "--contenders", "attn-eager,attn-eager-inference"])
+    status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-eager-inference"])
     out = capsys.readouterr().out
     assert status == 0
     assert "attn-eager-inference" in out and "identical greedy tokens (5)" in out
@@ -152,3 +152,6 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown --contenders ['nonsense']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--config", "no-such-config"])
+    with pytest.raises(SystemExit):
+        bench.main(["--cells", "small:fp64:1:1"])
+    assert "is not CONFIG:DTYPE:BATCH:THREADS" in capsys.readouterr().err

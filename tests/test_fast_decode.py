@@ -114,5 +114,7 @@ def test_bad_arguments() -> None:
     model = tiny_model(12)
     with pytest.raises(ValueError, match="max_rows must be a non-negative int"):
         compile_for_decode(model, max_rows=-1)
+    with pytest.raises(ValueError, match="vector_bits must be None, 128, 256 or 512"):
+        compile_for_decode(model, vector_bits=300)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())

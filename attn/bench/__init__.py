@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
             "directory (real weights); repeat or comma-separate names for several"
         ),
     )
+    parser.add_argument(
+        "--cells",
+        help="explicit cells instead of a grid: comma-separated CONFIG:DTYPE:BATCH:THREADS, e.g. small:bf16:1:2",
+    )
     parser.add_argument("--dtype", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--batch", type=_int_list, help="comma-separated batch sizes")
     parser.add_argument("--threads", type=_int_list, help="comma-separated torch thread counts")
@@ -164,7 +168,19 @@ def _spec(args: argparse.Namespace) -> BenchSpec:
     grid = args.config or args.dtype or args.batch or args.threads
     checkpoint = None
     cells = []
-    if grid:
+    if args.cells:
+        if grid:
+            raise ValueError("--cells replaces --config/--dtype/--batch/--threads; give one or the other")
+        for text in args.cells.split(","):
+            parts = text.strip().split(":")
+            if len(parts) != 4 or parts[1] not in _DTYPES or not (parts[2].isdigit() and parts[3].isdigit()):
+                raise ValueError(f"--cells entry {text!r} is not CONFIG:DTYPE:BATCH:THREADS (e.g. small:fp32:1:1)")
+            name, config, _ = _resolve_config(parts[0], total)
+            batch, threads = int(parts[2]), int(parts[3])
+            if batch <= 0 or threads <= 0:
+                raise ValueError(f"--cells entry {text!r}: batch and threads must be positive")
+            cells.append(Cell(name, config, _DTYPES[parts[1]], batch, threads, args.prompt_len, args.new_tokens))
+    elif grid:
         names = [n.strip() for value in (args.config or ["small"]) for n in _split_config(value)]
         dtypes = [d.strip() for d in (args.dtype or "fp32").split(",") if d.strip()]
         unknown = [d for d in dtypes if d not in _DTYPES]

@@ -321,6 +321,10 @@ class Contender:
         """Graphs compiled so far, for contenders that compile; ``None`` otherwise."""
         return None
 
+    def note(self) -> str | None:
+        """Anything about how it ran worth a line in the report."""
+        return None
+
 
 class AttnEager(Contender):
     """``attn.generate`` on the eager model, under a given cache policy."""
@@ -366,6 +370,16 @@ class AttnCompiled(AttnEager):
 
     def graphs(self) -> int | None:
         return None if self.fast is None else self.fast.stats.graphs
+
+    def note(self) -> str | None:
+        if self.fast is None:
+            return None
+        stats = self.fast.stats
+        width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
+        return (
+            f"{stats.linears_rewritten} linear layer(s) rewritten as row-wise reductions; SIMD width {width}; "
+            f"{stats.compile_seconds:.1f} s in inductor"
+        )
 
 
 class AttnNoCache(Contender):

@@ -91,6 +91,9 @@ def format_table(result: BenchResult) -> str:
                 f"{_num(fraction, '.0f'):>6} {_num(ttft, '.0f'):>8} {_num(row.peak_rss_mb, '.0f'):>8} "
                 f"{_num(row.compile_s, '.1f'):>9} {graphs:>9}  {check}"
             )
+        lines.extend(
+            f"  {row.contender}: {row.note}" for row in result.rows_of(info.label).values() if row.note is not None
+        )
         lines.extend(_cell_notes(info, result.rows_of(info.label)))
     targets = evaluate_targets(result)
     if targets:

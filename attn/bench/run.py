@@ -119,6 +119,7 @@ class Row:
     peak_rss_mb: float | None = None
     peak_rss_process_mb: float | None = None
     memory_note: str | None = None
+    note: str | None = None
     check_ok: bool | None = None
     check: str = ""
     positions: list[int] = field(default_factory=list)
@@ -422,6 +423,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
                 row.compile_s = max(row.compile_s - median_step, 0.0)  # first decode step minus a normal one
         else:
             row.compile_s = None
+        row.note = contender.note()
         verdict = _check(ctx, reference, checked[contender.name], contender.name == REFERENCE)
         row.check_ok, row.check = verdict.ok, verdict.detail
         if contender.name == "hf-static":
