@@ -237,8 +237,9 @@ class TransformerDecoder(nn.Module):
         *,
         input_pos: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits for every position of ``tokens``.
+        """Logits for every position of ``tokens``, or for the last one.
 
         Args:
             tokens: (b, s) integer token ids in ``[0, vocab_size)``.
@@ -247,10 +248,15 @@ class TransformerDecoder(nn.Module):
             mask: bool, True where a query may attend; (b, s, s) without the cache, (b, s,
                 max_seq_len) over cache slots with it. Default: causal. See
                 ``attn.padded_causal_mask`` for left-padded batches.
+            last_only: compute logits for the last position only (a prompt's prefill needs
+                no more): skips the output layer for the other positions and never holds a
+                (b, s, v) tensor.
 
         Returns:
-            (b, s, v) logits, in the model's dtype.
+            (b, s, v) logits, in the model's dtype; (b, 1, v) with ``last_only``.
         """
+        if not isinstance(last_only, bool):
+            raise TypeError(f"last_only must be a bool, got {last_only!r}")
         self._check_tokens(tokens)
         b, s = tokens.shape
         h = self.tok_embeddings(tokens)  # (b, s, e)
@@ -262,6 +268,8 @@ class TransformerDecoder(nn.Module):
         input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)
+        if last_only:
+            h = h[:, -1:]  # (b, 1, e)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, v)

@@ -243,7 +243,7 @@ def _decode(
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
         mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, L)
-        logits = model(prompt_tokens, input_pos=positions, mask=mask)[:, -1]  # (b, v)
+        logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
         done = torch.zeros(b, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):

@@ -56,6 +56,36 @@ def test_cached_prefill_and_decode_equal_one_uncached_forward(
     torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-5, atol=1e-5)
 
 
+@given(setup=decoder_setups(), batch=st.integers(1, 3), seq_len=st.integers(1, 10), seed=st.integers(0, 2**16))
+def test_last_only_is_the_last_position_of_a_full_pass_and_fills_the_cache_alike(
+    setup: dict, batch: int, seq_len: int, seed: int
+) -> None:
+    model = tiny_model(seed, **setup)
+    tokens = torch.randint(0, 61, (batch, seq_len))
+    with torch.no_grad():
+        full = model(tokens)  # (b, s, v)
+        last = model(tokens, last_only=True)  # (b, 1, v)
+    assert last.shape == (batch, 1, 61)
+    torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-5)
+    states = []
+    for last_only in (False, True):
+        model.setup_caches(batch, seq_len + 2)
+        with attn.cached_inference(model):
+            out = model(tokens, last_only=last_only)
+        torch.testing.assert_close(out[:, -1:], full[:, -1:], rtol=1e-5, atol=1e-5)
+        states.append(cache_state(model))
+    assert_cache_unchanged(model, states[0])  # the same keys and values, whichever way
+
+
+def test_last_only_must_be_a_bool_and_a_bad_one_changes_nothing() -> None:
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    before = cache_state(model)
+    with pytest.raises(TypeError, match=r"last_only must be a bool, got 'yes'"), attn.cached_inference(model):
+        model(torch.randint(0, 61, (1, 3)), last_only="yes")
+    assert_cache_unchanged(model, before)
+
+
 def test_caches_set_up_but_unused_equal_no_caches_at_all() -> None:
     plain, cached = tiny_model(3), tiny_model(3)
     cached.setup_caches(2, 32)

@@ -407,7 +407,7 @@ class AttnNoCache(Contender):
         start = time.perf_counter()
         with torch.inference_mode(), disable_kv_cache(model):
             for _ in range(new_tokens):
-                logits = model(tokens)[:, -1]  # (b, v)
+                logits = model(tokens, last_only=True)[:, -1]  # (b, v)
                 stamps.append(time.perf_counter())
                 if want_logits:
                     kept.append(logits.float())

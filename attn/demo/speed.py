@@ -44,7 +44,7 @@ def generate_without_cache(
         real[i, width - len(prompt) :] = True
     with torch.inference_mode(), disable_kv_cache(base_model(model)):
         for _ in range(max_new_tokens):
-            logits = model(tokens, input_pos=padding_positions(real), mask=padded_causal_mask(real))  # (b, s, v)
+            logits = model(tokens, input_pos=padding_positions(real), mask=padded_causal_mask(real), last_only=True)
             next_token = logits[:, -1].float().argmax(-1, keepdim=True)  # (b, 1)
             tokens = torch.cat((tokens, next_token), dim=1)  # (b, s + 1)
             real = torch.cat((real, torch.ones_like(next_token, dtype=torch.bool)), dim=1)  # (b, s + 1)
