@@ -58,6 +58,9 @@ def test_json_has_every_field(result_json: dict) -> None:
     )
     (cell,) = result_json["cells"]
     assert cell["read_bandwidth_gb_s"] > 0 and cell["limit_tokens_per_s"] > 0
+    samples = cell["read_bandwidth_samples"]
+    assert len(samples) == 2 + 2  # before the warm-up, each of the 2 rounds, after the last
+    assert cell["read_bandwidth_gb_s"] == pytest.approx((sorted(samples)[1] + sorted(samples)[2]) / 2)  # median
     assert cell["weight_bytes_per_step"] > 0 and cell["kv_bytes_per_step"] > 0
     rows = {row["contender"]: row for row in result_json["rows"]}
     expected = {"attn-eager", "attn-eager-inference", "attn-compiled", "attn-nocache", "hf-static", "hf-dynamic"}

@@ -68,11 +68,11 @@ def format_table(result: BenchResult) -> str:
     )
     for info in result.cells:
         lines.append("")
-        samples = "/".join(f"{b:.1f}" for b in info.read_bandwidth_samples)
+        samples = info.read_bandwidth_samples
         lines.append(
             f"{info.label}: prompt {info.prompt_len}, new {info.new_tokens}; read bandwidth "
-            f"{info.read_bandwidth_gb_s:.1f} GB/s (medians {samples}; "
-            f"fastest pass {info.read_bandwidth_best_gb_s:.1f}); "
+            f"{info.read_bandwidth_gb_s:.1f} GB/s (median of {len(samples)} samples between the runs, "
+            f"{min(samples):.1f}-{max(samples):.1f}; fastest pass {info.read_bandwidth_best_gb_s:.1f}); "
             f"memory-bound limit {info.limit_tokens_per_s:.0f} tok/s "
             f"({info.weight_bytes_per_step / 1e6:.0f} MB weights + {info.kv_bytes_per_step / 1e6:.1f} MB cache "
             f"read per step); weights {info.weights_mb:.0f} MiB, cache {info.cache_mb:.1f} MiB"
@@ -176,11 +176,13 @@ def evaluate_targets(result: BenchResult) -> list[TargetResult]:
                     )
                 )
             if target.fraction_of_limit is not None and compiled.fraction_of_limit is not None:
+                # Against the fastest bandwidth sample too: the limit on a machine with no neighbours.
+                quiet = compiled.fraction_of_limit * info.read_bandwidth_gb_s / max(info.read_bandwidth_samples)
                 out.append(
                     TargetResult(
                         info.label,
                         f">= {target.fraction_of_limit:.0%} of the memory-bound limit",
-                        f"{compiled.fraction_of_limit:.0%}",
+                        f"{compiled.fraction_of_limit:.0%} ({quiet:.0%} at the fastest sample)",
                         compiled.fraction_of_limit >= target.fraction_of_limit,
                     )
                 )

@@ -1,11 +1,13 @@
 """The benchmark driver: cells, alternating timed runs, checks, memory probes, the limit.
 
-For each cell (model size, dtype, batch, threads) it measures the read bandwidth, sets up
-every contender, runs a warm-up generation per contender (its first full generation is the
-one checked for correctness, and the one that compiles), then times ``repeats``
-generations per contender, alternating them (the order rotates every round) so that a
-change in machine load hits all of them alike. Peak memory is measured afterwards, one
-fresh process per contender.
+For each cell (model size, dtype, batch, threads) it sets up every contender, runs a
+warm-up generation per contender (its first full generation is the one checked for
+correctness, and the one that compiles), then times ``repeats`` generations per contender,
+alternating them (the order rotates every round) so that a change in machine load hits all
+of them alike. The read bandwidth behind the memory-bound limit is measured the same way:
+before the warm-up, at the start of every round and after the last one, so the limit is
+the machine's bandwidth while the contenders ran, not a quiet moment's. Peak memory is
+measured afterwards, one fresh process per contender.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ class CellInfo:
     prompt_len: int
     new_tokens: int
     read_bandwidth_gb_s: float
-    """The higher of the samples' medians (a neighbour's load only ever lowers it)."""
+    """The median of the samples: the bandwidth the timed runs had, with their neighbours."""
     read_bandwidth_samples: list[float]
-    """Median over passes, measured before the warm-up and after the timed runs."""
+    """Median over passes, measured before the warm-up, every round and after the last."""
     read_bandwidth_best_gb_s: float
     """The fastest single pass of all samples (an optimistic bound, for reference)."""
     weight_bytes_per_step: int
@@ -176,7 +178,7 @@ def _param_mb(config: DecoderConfig, dtype: torch.dtype) -> float:
 
 
 def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
-    bandwidth = max(median for median, _ in bandwidths)
+    bandwidth = statistics.median(median for median, _ in bandwidths)
     context = cell.prompt_len + cell.new_tokens / 2  # mean tokens attended by a decode step
     weights, kv = bytes_per_step(cell.config, cell.dtype, cell.batch_size, context)
     size = torch.finfo(cell.dtype).bits // 8
@@ -343,7 +345,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
     torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over from other cells
     torch.set_num_threads(cell.threads)
     _log(f"== {cell.label}: measuring read bandwidth")
-    bandwidths = [read_bandwidth(cell.threads)]
+    bandwidths = [read_bandwidth(cell.threads)]  # (median, best) GB/s per sample
     ctx = CellContext(
         cell,
         seed=spec.seed,
@@ -390,6 +392,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
     runs: dict[str, list[Generated]] = {c.name: [] for c in active}
     for round_ in range(spec.repeats):
         order = active[round_ % len(active) :] + active[: round_ % len(active)] if active else []
+        bandwidths.append(read_bandwidth(cell.threads))
         for contender in order:
             cap = contender.max_repeats
             if cap is not None and len(runs[contender.name]) >= cap:
