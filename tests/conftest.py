@@ -18,7 +18,20 @@ from attn import compat
 from attn.compat import CachePolicy
 
 # Tiny models: one intra-op thread is faster, and immune to a second core being busy.
+# Measured on the 2-core machine with other work running: the lm-eval and transformers
+# tests took minutes with two intra-op threads (each tiny matmul waits on a descheduled
+# thread) and seconds with one. Set here for module-scoped fixtures too.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Every test starts on one thread, and one that changes it (the benchmark, the demo's
+    ``--threads``) cannot leak its setting into the next."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
 
 settings.register_profile(
     "default",

@@ -35,15 +35,6 @@ from .conftest import assert_cache_unchanged, cache_state
 BATCH = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The demo model is tiny: on a shared 2-core machine one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def task() -> AdditionTask:
     """One-digit operands: the patterns do not care, and a model learns them in a few seconds."""

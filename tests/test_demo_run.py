@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,7 @@ from attn.demo.report import summary, table
 from attn.demo.run import DemoOptions, run_demo
 from attn.demo.watch import base_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread(restore_policy: None) -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_policy")
 
 
 def test_run_demo_reports_every_pass(capsys: pytest.CaptureFixture) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +40,6 @@ VOCAB = 128
 EOS = 0
 BATCH = 4
 GEN, MC, ROLLING = "attn_test_gen", "attn_test_mc", "attn_test_rolling"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and lose a lot to it on a busy machine.
-
-    Measured on the 2-core machine with other work running: this file took minutes with two
-    intra-op threads (each tiny matmul waits on a descheduled thread) and seconds with one.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class CharTokenizer:

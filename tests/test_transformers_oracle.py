@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,19 +36,6 @@ import attn
 from attn.checkpoint import load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and lose a lot to it on a busy machine.
-
-    Measured on the 2-core machine with other work running: this file took minutes with two
-    intra-op threads (each tiny matmul waits on a descheduled thread) and seconds with one.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 INIT_STD = 0.25
