@@ -498,6 +498,7 @@ DEFAULT_CONTENDERS = (
     "attn-eager",
     "attn-eager-inference",
     "attn-compiled",
+    "attn-compiled-inference",  # skipped, with the reason, where dynamo cannot trace is_inference
     "attn-nocache",
     "hf-static",
     "hf-dynamic",
