@@ -219,6 +219,10 @@ class DecodeCompiled(nn.Module):
                 "which cannot compile Tensor.is_inference() (see attn.compat.compat_report()); "
                 "call attn.compat.set_cache_policy('flag') or use the model in eager code"
             )
+        if self.model.caches_are_enabled():
+            # The compiled step cannot read the fill position; here, in eager code, an
+            # overflow gets the same error as the eager model's, before anything is written.
+            self.model.kv_caches()[0].check_update(tokens.shape[0], 1)
         return self._step(tokens, **kwargs)
 
 

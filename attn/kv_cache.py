@@ -121,6 +121,12 @@ class KVCache(nn.Module):
             )
         self.check_update(b, s)
         slots = self.cache_pos + torch.arange(s, device=k.device)  # (s,)
+        if torch.compiler.is_compiling():
+            # All or nothing. Compiled code cannot raise the capacity error of check_update,
+            # so an overflow is refused by the write's own bounds check, which inductor runs
+            # element by element as it stores: the slots that fit would be written before it
+            # fails. If any slot is past the end, send every slot there: the first store fails.
+            slots = torch.where(slots[-1] < self.max_seq_len, slots, self.max_seq_len)  # (s,)
         self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
         self.cache_pos.add_(s)

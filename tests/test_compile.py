@@ -147,16 +147,23 @@ def test_inductor_keeps_the_cache_mutable(restore_policy: None) -> None:
     assert torch.equal(second.tokens, attn.generate(model, [[7, 8], [9, 10, 11]], max_new_tokens=6).tokens)
 
 
-def test_compiled_overflow_is_refused_and_leaves_the_cache_unchanged(restore_policy: None) -> None:
+@pytest.mark.parametrize(
+    ("backend", "error"),
+    [("aot_eager", IndexError), pytest.param("inductor", RuntimeError, marks=pytest.mark.slow)],
+)
+def test_compiled_overflow_is_refused_and_leaves_the_cache_unchanged(
+    backend: str, error: type, restore_policy: None
+) -> None:
     """Compiled code cannot read the fill position for the friendly check; the write itself
-    is bounds-checked before anything lands (IndexError from index_copy_)."""
+    is bounds-checked before anything lands (index_copy_'s IndexError; inductor's generated
+    bounds assertion, a RuntimeError)."""
     attn.compat.set_cache_policy("flag")
     model = tiny_model(6)
     model.setup_caches(1, 8)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     with attn.cached_inference(model):
         compiled(torch.randint(0, 61, (1, 6)))
         before = cache_state(model)
-        with pytest.raises(IndexError, match="out of bounds"):
+        with pytest.raises(error, match="out of bounds"):
             compiled(torch.randint(0, 61, (1, 3)))
     assert_cache_unchanged(model, before)

@@ -18,7 +18,7 @@ from attn import compat
 from attn.compat import CachePolicy
 from attn.fast_decode import DecodeCompiled, compile_for_decode, rowwise_linear
 
-from .conftest import tiny_model
+from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 OTHER_PROMPTS = [[7, 8], [9, 10, 11, 12]]
@@ -96,6 +96,22 @@ def test_multi_token_passes_run_eager_and_compile_nothing(fast: DecodeCompiled) 
         torch.testing.assert_close(fast(tokens), fast.model(tokens))
     assert fast.stats.graphs == 1
     assert fast.config is fast.model.config and fast.kv_caches() == fast.model.kv_caches()
+
+
+def test_overflow_gets_the_eager_error_and_leaves_the_cache_unchanged(fast: DecodeCompiled) -> None:
+    model = fast.model
+    capacity = model.kv_caches()[0].max_seq_len
+    with attn.cached_inference(model):
+        # Made in inference mode, like generate's: a normal tensor would compile a second graph.
+        step = dict(input_pos=torch.full((2, 1), capacity - 1), mask=torch.ones(2, 1, capacity, dtype=torch.bool))
+        model.reset_caches()
+        model(torch.randint(0, 61, (2, capacity - 1)))
+        fast(torch.randint(0, 61, (2, 1)), **step)  # the last slot, through the compiled step
+        before = cache_state(model)
+        with pytest.raises(RuntimeError, match=rf"holds {capacity} tokens, 1 more do not fit in its capacity"):
+            fast(torch.randint(0, 61, (2, 1)), **step)
+    assert_cache_unchanged(model, before)
+    assert fast.stats.graphs == 1  # the step generate compiled, reused
 
 
 @pytest.mark.requires_no_is_inference_trace
