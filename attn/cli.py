@@ -1,9 +1,11 @@
-"""The command line: ``attn demo``, ``attn info`` and ``attn bench``.
+"""The command line: ``attn demo``, ``attn info``, ``attn bench`` and ``attn lm-eval``.
 
 ``python -m attn demo`` runs the built-in demo (see ``attn.demo``) and exits non-zero if any
 pass used the KV-cache where it should not have, or did not where it should. ``attn info``
 reports the torch release and the cache policy in force. ``attn bench`` forwards its
-arguments to ``attn.bench.main``.
+arguments to ``attn.bench.main``. ``attn lm-eval`` is lm-evaluation-harness's own command
+line with attn's model registered (``--model attn``), which ``lm-eval`` alone cannot do:
+it has no plugin hook to import attn.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks (arguments go to attn.bench; try: attn bench --help)",
         add_help=False,
     )
+    commands.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's command line with --model attn registered (try: attn lm-eval run --help)",
+        add_help=False,
+    )
     return parser
 
 
@@ -170,6 +177,30 @@ def _run_bench(argv: list[str]) -> int:
     return int(bench.main(list(argv)))
 
 
+def _run_lm_eval(argv: list[str]) -> int:
+    try:
+        import lm_eval.__main__ as harness
+
+        import attn.integrations.lm_eval  # noqa: F401  (registers --model attn)
+    except ModuleNotFoundError as error:
+        if error.name is None or not error.name.startswith("lm_eval"):
+            raise
+        print(
+            "attn lm-eval: lm-evaluation-harness is not installed; pip install 'attn[lm-eval]'",
+            file=sys.stderr,
+        )
+        return 1
+    saved = sys.argv
+    sys.argv = ["lm-eval", *argv]  # the harness parses sys.argv itself
+    try:
+        harness.cli_evaluate()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 for a usage error).
 
@@ -180,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _run_bench(argv[1:])
+    if argv and argv[0] == "lm-eval":
+        return _run_lm_eval(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -101,7 +101,7 @@ def test_python_dash_m_attn_exits_with_the_usage_status(
 def test_help_and_version(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "demo" in out and "info" in out and "bench" in out
+    assert "demo" in out and "info" in out and "bench" in out and "lm-eval" in out
     assert cli.main(["demo", "--help"]) == 0
     out = capsys.readouterr().out
     for option in ("--compile", "--policy", "--seed", "--steps", "--json"):
@@ -145,3 +145,21 @@ def test_bench_without_the_module_is_a_clear_error(
     assert cli.main(["bench"]) == 1
     err = capsys.readouterr().err
     assert "attn.bench is not part of this installation" in err and "Traceback" not in err
+
+
+def test_lm_eval_without_the_harness_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-evaluation-harness were not installed
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)
+    assert cli.main(["lm-eval", "run", "--model", "attn"]) == 1
+    err = capsys.readouterr().err
+    assert "lm-evaluation-harness is not installed; pip install 'attn[lm-eval]'" in err
+
+
+def test_lm_eval_help_is_the_harness_help_and_restores_argv(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("lm_eval")
+    before = list(sys.argv)
+    assert cli.main(["lm-eval", "run", "--help"]) == 0
+    assert "--model_args" in capsys.readouterr().out
+    assert sys.argv == before

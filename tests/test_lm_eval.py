@@ -31,6 +31,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import attn  # noqa: E402
+from attn import cli  # noqa: E402
 from attn.checkpoint import save_pretrained  # noqa: E402
 from attn.compat import CachePolicy  # noqa: E402
 from attn.integrations.lm_eval import AttnLM, TokenizerFile  # noqa: E402
@@ -91,7 +92,8 @@ def _task_yaml(name: str, data: Path, body: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def task_manager(tmp_path_factory: pytest.TempPathFactory) -> TaskManager:
+def task_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of three small tasks, one per request type."""
     root = tmp_path_factory.mktemp("lm_eval_tasks")
     specs = {
         GEN: (
@@ -125,7 +127,12 @@ def task_manager(tmp_path_factory: pytest.TempPathFactory) -> TaskManager:
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
         (root / f"{name}.yaml").write_text(_task_yaml(name, data, body))
-    return TaskManager(include_path=str(root), include_defaults=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def task_manager(task_root: Path) -> TaskManager:
+    return TaskManager(include_path=str(task_root), include_defaults=False)
 
 
 def _evaluate(model: Any, tasks: list[str], task_manager: TaskManager, **kwargs: Any) -> dict[str, Any]:
@@ -293,7 +300,9 @@ def test_generate_until_is_attn_generate_cut_at_stops() -> None:
     assert not model.caches_are_setup()
 
 
-def test_registered_name_loads_a_checkpoint(tmp_path: Path, task_manager: TaskManager) -> None:
+def test_registered_name_loads_a_checkpoint(
+    tmp_path: Path, task_root: Path, task_manager: TaskManager, capsys: pytest.CaptureFixture[str]
+) -> None:
     tokenizers = pytest.importorskip("tokenizers")  # AttnLM's TokenizerFile reads tokenizer.json with it
     Tokenizer, decoders, models, pre_tokenizers = (
         tokenizers.Tokenizer,
@@ -317,6 +326,19 @@ def test_registered_name_loads_a_checkpoint(tmp_path: Path, task_manager: TaskMa
     by_name = _evaluate("attn", [MC], task_manager, model_args=f"pretrained={directory}", batch_size=BATCH)
     by_object = _evaluate(AttnLM(model, CharTokenizer(), batch_size=BATCH), [MC], task_manager)
     assert _responses(by_name, MC) == _responses(by_object, MC)
+
+    # The command line: lm-eval's own, with attn registered.
+    output = tmp_path / "out"
+    args = ["run", "--model", "attn", "--model_args", f"pretrained={directory}", "--tasks", MC]
+    args += ["--include_path", str(task_root), "--batch_size", str(BATCH), "--output_path", str(output)]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device 'cuda:0' asks for CUDA.*pass --device cpu"):
+            cli.main(["lm-eval", *args])  # the harness's default device
+    assert cli.main(["lm-eval", *args, "--device", "cpu"]) == 0
+    assert MC in capsys.readouterr().out  # the results table
+    (written,) = output.rglob("results_*.json")
+    accuracy = json.loads(written.read_text())["results"][MC]["acc,none"]
+    assert accuracy == by_object["results"][MC]["acc,none"]
 
 
 # ---------------------------------------------------------------------------- errors

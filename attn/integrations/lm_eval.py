@@ -184,6 +184,11 @@ class AttnLM(TemplateLM):
         if (model is None) == (pretrained is None):
             raise ValueError("AttnLM needs exactly one of model= (a TransformerDecoder) and pretrained= (a path)")
         if pretrained is not None:
+            if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(
+                    f"device {str(device)!r} asks for CUDA, which this torch build or machine does not have "
+                    "(lm-eval's command line defaults to cuda:0); pass --device cpu or device='cpu'"
+                )
             model = load_pretrained(pretrained, dtype=dtype, device=device)
             if tokenizer is None:
                 tokenizer = pretrained
