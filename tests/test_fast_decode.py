@@ -12,11 +12,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attn
 from attn import compat
 from attn.compat import CachePolicy
-from attn.fast_decode import DecodeCompiled, compile_for_decode, rowwise_linear
+from attn.fast_decode import DecodeCompiled, compile_for_decode, decode_attention, rowwise_linear
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -47,6 +49,52 @@ def test_rowwise_linear_equals_linear() -> None:
     torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), rtol=2e-2, atol=2e-2)
 
 
+def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Loops over batch, head and query in float64; a query that may attend nothing gets zeros."""
+    b, h, s, d = q.shape
+    group = h // k.shape[1]
+    mask = mask.expand(b, h, s, k.shape[2])
+    out = torch.zeros(b, h, s, d, dtype=torch.float64)
+    for i in range(b):
+        for j in range(h):
+            keys, values = k[i, j // group].double(), v[i, j // group].double()  # (L, d)
+            for t in range(s):
+                allowed = mask[i, j, t]
+                if allowed.any():
+                    weights = ((keys[allowed] @ q[i, j, t].double()) / d**0.5).softmax(-1)  # (n,)
+                    out[i, j, t] = weights @ values[allowed]
+    return out
+
+
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    queries=st.integers(1, 2),
+    length=st.integers(1, 9),
+    mask_rank=st.sampled_from([2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_attention_equals_sdpa_and_a_naive_loop(
+    batch: int, kv_heads: int, group: int, queries: int, length: int, mask_rank: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    heads, d = kv_heads * group, 8
+    q = torch.randn(batch, heads, queries, d, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, length, d, generator=gen) for _ in range(2))
+    shape = (queries, length) if mask_rank == 2 else (batch, 1, queries, length)
+    mask = torch.rand(shape, generator=gen) < 0.7  # some rows may allow nothing
+    got = decode_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
+    torch.testing.assert_close(got.double(), _naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    if bool(mask.any(-1).all()):  # the stock kernel's answer for a fully masked row varies by release
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    low = decode_attention(qb, kb, vb, attn_mask=mask, enable_gqa=group > 1)
+    assert low.dtype == torch.bfloat16  # computed in fp32, rounded once
+    torch.testing.assert_close(low.double(), _naive_attention(qb, kb, vb, mask), rtol=1e-2, atol=1e-2)
+
+
 def test_greedy_tokens_equal_eager_and_one_graph_for_the_generation(fast: DecodeCompiled) -> None:
     model = fast.model
     got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
@@ -56,6 +104,7 @@ def test_greedy_tokens_equal_eager_and_one_graph_for_the_generation(fast: Decode
     assert fast.stats.graphs == 1, fast.stats  # every position of both generations: one graph
     # q, k, v, o, gate, up, down per layer, and the output head: all rewritten for decode
     assert fast.stats.linears_rewritten == 7 * model.config.num_layers + 1
+    assert fast.stats.attention_rewritten == model.config.num_layers  # one decode_attention per layer
 
 
 def test_cache_is_mutable_state_not_a_constant(fast: DecodeCompiled) -> None:

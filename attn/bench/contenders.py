@@ -377,7 +377,8 @@ class AttnCompiled(AttnEager):
         stats = self.fast.stats
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         return (
-            f"{stats.linears_rewritten} linear layer(s) rewritten as row-wise reductions; SIMD width {width}; "
+            f"{stats.linears_rewritten} linear layer(s) and {stats.attention_rewritten} attention call(s) "
+            f"rewritten as reductions; SIMD width {width}; "
             f"{stats.compile_seconds:.1f} s in inductor"
         )
 
