@@ -57,7 +57,8 @@ def format_table(result: BenchResult) -> str:
     m = result.machine
     lines.append(
         f"attn bench - torch {m['torch']}, transformers {m.get('transformers') or 'not installed'}, "
-        f"{m['cpu']} ({m['logical_cpus']} logical CPUs), cache policy {m['cache_policy']}"
+        f"{m['cpu']} ({m['logical_cpus']} logical CPUs), cache policy {m['cache_policy']}, "
+        f"huge pages for tensors {'on' if m.get('huge_pages') else 'off'} (THP_MEM_ALLOC_ENABLE)"
     )
     lines.append(
         f"load average before {_load(m.get('load_average_before'))}, after {_load(m.get('load_average_after'))}"

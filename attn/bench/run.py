@@ -326,6 +326,9 @@ def _machine() -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "load_average_before": load_average(),
         "memory_measurement": memory_info(),
+        # PyTorch's switch for transparent huge pages on large tensors: it changes both the
+        # decode speed and the measured bandwidth (README, Performance).
+        "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0"),
     }
     try:
         import transformers
