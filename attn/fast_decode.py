@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,11 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _RENAMED = {"query": "q", "key": "k", "value": "v"}
 
 
+def _example_value(arg: Any) -> Any:
+    """The value dynamo traced for a graph argument (a fake tensor), or ``None``."""
+    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+
+
 def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int) -> int:
     """Points every masked, non-causal SDPA call with at most ``max_queries`` queries per
     row at ``decode_attention``; returns how many."""
@@ -141,10 +147,7 @@ def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int) -> int
         if node.op != "call_function" or node.target not in _SDPA_TARGETS:
             continue
         given = dict(zip(_SDPA_ARGS, node.args, strict=False)) | dict(node.kwargs)
-        q, k, mask = (
-            given.get(name).meta.get("example_value") if isinstance(given.get(name), torch.fx.Node) else None
-            for name in ("query", "key", "attn_mask")
-        )
+        q, k, mask = (_example_value(given.get(name)) for name in ("query", "key", "attn_mask"))
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(mask, torch.Tensor)):
             continue  # no mask (plain causal), or not traced tensors: keep the stock kernel
         if q.dim() != 4 or k.dim() != 4 or mask.dtype != torch.bool or given.get("is_causal", False):
@@ -198,8 +201,7 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tupl
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
             continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        example = node.args[0].meta.get("example_value") if isinstance(node.args[0], torch.fx.Node) else None
-        weight = node.args[1].meta.get("example_value") if isinstance(node.args[1], torch.fx.Node) else None
+        example, weight = _example_value(node.args[0]), _example_value(node.args[1])
         if bias is not None or not isinstance(example, torch.Tensor) or example.dim() == 0:
             continue
         rows = example.numel() // max(int(example.shape[-1]), 1)
@@ -271,25 +273,19 @@ class DecodeCompiled(nn.Module):
             return getattr(modules["model"], name)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        import time
-
+        from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
         start = time.perf_counter()
         self.stats.graphs += 1
-        rewritten = _rewrite_small_linears(gm, self.max_rows) if self.rewrite else []
-        self.stats.linears_rewritten += len(rewritten)
+        rewritten = []
         if self.rewrite:
+            rewritten = _rewrite_small_linears(gm, self.max_rows)
+            self.stats.linears_rewritten += len(rewritten)
             self.stats.attention_rewritten += _rewrite_decode_attention(gm, self.max_rows)
-        bits = _vector_bits(rewritten, self.vector_bits) if self.rewrite else self.vector_bits
-        self.stats.vector_bits = bits
-        if bits is None:
+        bits = self.stats.vector_bits = _vector_bits(rewritten, self.vector_bits)
+        with inductor_config.patch({} if bits is None else {"cpp.simdlen": bits}):
             compiled = compile_fx(gm, example_inputs)
-        else:
-            from torch._inductor import config as inductor_config
-
-            with inductor_config.patch({"cpp.simdlen": bits}):
-                compiled = compile_fx(gm, example_inputs)
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
