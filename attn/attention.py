@@ -1,16 +1,12 @@
-"""Multi-head attention (MHA, GQA, MQA) with RoPE and a KV-cache that follows the pass.
+"""Multi-head attention (MHA, GQA, MQA) with RoPE and a static KV-cache.
 
 Shapes: b = batch, s = new tokens, e = embed dim, h = heads, h_kv = kv heads, d = head dim,
 L = key slots (s without a cache, the cache's max_seq_len with one).
 
-Each forward pass decides on its own whether to use the cache (``uses_cache``), by the
-policy of ``attn.compat``:
-
-- ``INFERENCE``: iff caches are set up, not disabled, grad is off, and the input is an
-  inference tensor (the pass runs under ``torch.inference_mode()``);
-- ``FLAG``: iff caches are set up and the flag is on (``kv_cache_mode``).
-
-A pass that does not use the cache is plain causal attention and leaves the cache untouched.
+Whether a pass uses the cache is decided by ``attn.policy.uses_cache``: once per model
+forward by the decoder, which hands the answer down as ``use_cache``, or here for a layer
+used on its own. A pass that does not use the cache is plain causal attention and leaves the
+cache untouched.
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
-from attn.compat import CachePolicy
 from attn.kv_cache import KVCache
+from attn.policy import explicit_decision, inference_mode_decides
 from attn.rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
@@ -42,7 +37,7 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
         kv_cache: the layer's ``KVCache``, or ``None`` until caches are set up.
-        cache_mode: the explicit flag: ``None`` (decide by policy), ``True`` (on), ``False``
+        cache_mode: the explicit flag: ``None`` (decide by the pass), ``True`` (on), ``False``
             (never use the cache). Set it with ``attn.kv_cache_mode``, not by hand.
     """
 
@@ -97,38 +92,6 @@ class MultiHeadAttention(nn.Module):
             self.kv_cache.torn_down = True
         self.kv_cache = None
 
-    def uses_cache(self, x: torch.Tensor | None = None) -> bool:
-        """Would a pass over ``x``, run now, use the cache?
-
-        ``x=None`` asks about a pass that has not started yet (eager only): under the
-        ``INFERENCE`` policy it then reads ``torch.is_inference_mode_enabled()``, and it
-        never warns. A real pass (``x`` given) under ``FLAG`` that runs in inference mode
-        without the flag warns once per process that it did not use the cache.
-
-        Raises:
-            RuntimeError: the flag is on and grad is enabled (a cache must never record
-                autograd history).
-        """
-        if self.kv_cache is None or self.cache_mode is False:
-            return False
-        grad_enabled = torch.is_grad_enabled()
-        if self.cache_mode is True and grad_enabled:
-            raise RuntimeError(
-                "a grad-enabled forward pass ran with the KV-cache flag on (kv_cache_mode / "
-                "cached_inference); the cache must never hold autograd history. Run "
-                "generation under attn.cached_inference(model) or torch.no_grad(), and "
-                "training outside kv_cache_mode."
-            )
-        if compat.active_policy() is CachePolicy.FLAG:
-            if self.cache_mode is None:
-                if x is not None and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
-                    compat.warn_inference_mode_ignored()
-                return False
-            return True
-        if grad_enabled:
-            return False
-        return torch.is_inference_mode_enabled() if x is None else x.is_inference()
-
     def forward(
         self,
         x: torch.Tensor,
@@ -145,16 +108,19 @@ class MultiHeadAttention(nn.Module):
                 cache, the cache's fill position onwards with it.
             mask: bool, True where a query may attend: (b, s, L) or (s, L). Default: causal
                 (over cache slots when the cache is used).
-            use_cache: the decision, when the caller has already made it for the whole
-                model; ``None`` decides here.
+            use_cache: the decision, made by the caller for the whole model, which has
+                also checked the cache's capacity; ``None`` decides and checks here.
 
         Returns:
             (b, s, e).
         """
         b, s, _ = x.shape
-        if use_cache is None:
-            use_cache = self.uses_cache(x)
-        cache = self.kv_cache if use_cache else None  # update() checks before it writes
+        checked = use_cache is not None
+        if use_cache is None:  # attn.policy.uses_cache, its inference-mode test in this frame
+            use_cache = explicit_decision(self.kv_cache, self.cache_mode)
+            if use_cache is None:
+                use_cache = inference_mode_decides(self.kv_cache, s, torch.compiler.is_compiling())
+        cache = self.kv_cache if use_cache else None
         input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask)
         key_len = cache.max_seq_len if cache is not None else s
         _check_aux(input_pos, mask, b, s, key_len)
@@ -165,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         q = self.rope(q, input_pos)
         k = self.rope(k, input_pos)
         if cache is not None:
-            k, v = cache.update(k, v)  # each (b, h_kv, L, d)
+            k, v = cache.update(k, v, checked=checked)  # each (b, h_kv, L, d)
             q = q.to(k.dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
@@ -202,16 +168,22 @@ def default_pos_and_mask(
     return input_pos, mask
 
 
+def _has_shape(t: torch.Tensor, *shapes: tuple[int, ...]) -> bool:
+    """Is ``t`` of one of ``shapes``? Compares size by size, which also holds when dynamo
+    traces the sizes as symbols (a tuple ``in`` test of symbolic sizes can be wrong there)."""
+    return any(t.dim() == len(shape) and all(t.shape[i] == n for i, n in enumerate(shape)) for shape in shapes)
+
+
 def _check_aux(input_pos: torch.Tensor, mask: torch.Tensor | None, b: int, s: int, key_len: int) -> None:
     """Static shape checks for positions and mask (free under torch.compile)."""
-    if input_pos.shape not in ((s,), (b, s)):
+    if not _has_shape(input_pos, (s,), (b, s)):
         raise ValueError(f"input_pos must have shape ({s},) or ({b}, {s}), got {tuple(input_pos.shape)}")
     if input_pos.dtype not in (torch.long, torch.int32):
         raise ValueError(f"input_pos must be an integer tensor (torch.long), got {input_pos.dtype}")
     if mask is not None:
         if mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}")
-        if mask.shape not in ((s, key_len), (b, s, key_len)):
+        if not _has_shape(mask, (s, key_len), (b, s, key_len)):
             where = "the cache's max_seq_len" if key_len != s else "the sequence length"
             raise ValueError(
                 f"mask must have shape ({b}, {s}, {key_len}) or ({s}, {key_len}) (last dim: "

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--policy",
         choices=["inference", "flag"],
-        help="force the cache policy (default: ATTN_CACHE_POLICY, else the torch release's default)",
+        help="force the cache policy (default: ATTN_CACHE_POLICY, else inference: inference mode or the flag)",
     )
     demo.add_argument("--compile", action="store_true", help="run every pass through torch.compile")
     demo.add_argument(
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser(
         "info",
-        help="torch release, cache policy and why, and whether this release can compile is_inference()",
+        help="torch release, cache policy, and what compile does with the inference-mode decision here",
         description="Reports the torch release, the KV-cache policy in force and why, Python and platform.",
     )
     info.add_argument(

@@ -1,19 +1,15 @@
-"""The compat layer: which torch release is installed, and which cache policy follows.
+"""The compat layer: which torch release is installed, and what it can do with the cache decision.
 
-This is the only module that knows about torch versions. It answers one question for the
-rest of the package: how does a forward pass decide whether to use the KV-cache?
+This is the only module that knows about torch versions. It answers, per release, how the
+inference-mode half of the cache decision (``attn.policy.uses_cache``) runs under
+``torch.compile``: whether it could live inside a graph with a guard that tells the kinds of
+pass apart, and what it costs where it cannot (graph breaks per forward). No release today
+can; the table ``RELEASES`` says why for each, and sits next to the probe that proves it
+(``probe_is_inference_trace``), which the version matrix in ``compat/`` runs on every release
+the table names.
 
-- ``CachePolicy.INFERENCE``: by the input itself (``x.is_inference()``, true under
-  ``torch.inference_mode()``). Needs no work from the user, but ``torch.compile`` can trace
-  ``is_inference()`` on few releases.
-- ``CachePolicy.FLAG``: by an explicit flag that ``attn.kv_cache_mode`` /
-  ``attn.cached_inference`` set. Compiles everywhere.
-
-The policy in force is resolved once per process, in this order: ``set_cache_policy()``,
-then the ``ATTN_CACHE_POLICY`` environment variable, then the default for the installed
-release from ``RELEASES``. The table sits next to the probe that proves it
-(``probe_is_inference_trace``); the version matrix in ``compat/`` runs that probe on every
-release the table names.
+Policies (``CachePolicy``), resolved once per process: ``set_cache_policy()``, then the
+``ATTN_CACHE_POLICY`` environment variable, then ``INFERENCE``, the default on every release.
 """
 
 from __future__ import annotations
@@ -21,14 +17,17 @@ from __future__ import annotations
 import enum
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
+    "DEFAULT_POLICY",
     "ENV_VAR",
+    "FIX",
     "RELEASES",
     "CachePolicy",
     "CompatWarning",
@@ -61,9 +60,9 @@ class CachePolicy(str, enum.Enum):
     """How a forward pass decides whether to use the KV-cache."""
 
     INFERENCE = "inference"
-    """Use the cache when the attention input is an inference tensor."""
+    """The default: use the cache when the flag is on or the pass runs under inference mode."""
     FLAG = "flag"
-    """Use the cache when the explicit flag (``kv_cache_mode``) is on."""
+    """Use the cache only when the explicit flag (``cached_inference``, ``kv_cache_mode``) is on."""
 
 
 class TorchVersion(NamedTuple):
@@ -129,23 +128,41 @@ def torch_version() -> TorchVersion:
     return parse_torch_version(torch.__version__)
 
 
+FIX = (
+    "for fullgraph=True, torch.export or CUDA graphs, wrap generation in "
+    "attn.cached_inference(model): the explicit flag needs no inference-mode test and compiles "
+    "without a graph break on every release"
+)
+
+
 @dataclass(frozen=True)
 class ReleaseSupport:
-    """What one range of torch releases can do, and the cache policy it gets by default.
+    """What one range of torch releases can do with the inference-mode test under compile.
 
     Attributes:
         first: first release of the range (inclusive).
         last: first release after the range (exclusive), or ``None`` for open-ended.
         traces_is_inference: does ``torch.compile(fullgraph=True)`` trace ``x.is_inference()``?
-        default_policy: the policy this range gets when nothing overrides it.
+        guards_is_inference: where it traces, does the compiled graph tell the kinds of pass
+            apart (no stale graph reused for the wrong one)?
         reason: why, in a sentence a user can act on.
     """
 
     first: tuple[int, int, int]
     last: tuple[int, int, int] | None
     traces_is_inference: bool
-    default_policy: CachePolicy
+    guards_is_inference: bool
     reason: str
+
+    @property
+    def decides_in_graph(self) -> bool:
+        """Could the inference-mode test live inside a fullgraph compile, correctly guarded?"""
+        return self.traces_is_inference and self.guards_is_inference
+
+    @property
+    def graph_breaks_per_forward(self) -> int:
+        """Graph breaks a compiled forward takes for the inference-mode test (0 with the flag)."""
+        return 0 if self.decides_in_graph else 1
 
     def contains(self, version: TorchVersion) -> bool:
         return self.first <= version.release and (self.last is None or version.release < self.last)
@@ -159,7 +176,7 @@ class ReleaseSupport:
         return f"{first} <= torch < {last}" if self.first > (0, 0, 0) else f"< {last}"
 
 
-# The one table of what each torch release does with `x.is_inference()` under compile.
+# The one table of what each torch release does with the inference-mode test under compile.
 # Every row is proven on a leg of the version matrix (compat/matrix.toml); a test checks
 # that each leg's expectations resolve through this table.
 RELEASES: tuple[ReleaseSupport, ...] = (
@@ -167,7 +184,7 @@ RELEASES: tuple[ReleaseSupport, ...] = (
         first=(0, 0, 0),
         last=(2, 6, 0),
         traces_is_inference=False,
-        default_policy=CachePolicy.FLAG,
+        guards_is_inference=False,
         reason=(
             "dynamo cannot trace Tensor.is_inference() before torch 2.6 "
             "(fullgraph fails: 'torch.* op returned non-Tensor bool')"
@@ -177,27 +194,41 @@ RELEASES: tuple[ReleaseSupport, ...] = (
         first=(2, 6, 0),
         last=(2, 8, 0),
         traces_is_inference=True,
-        default_policy=CachePolicy.FLAG,
+        guards_is_inference=False,
         reason=(
             "dynamo traces Tensor.is_inference() on torch 2.6 and 2.7 but guards only on the "
-            "input's dispatch keys, so a compiled graph is reused for the wrong kind of pass: "
-            "measured on 2.6.0 and 2.7.1 (stale-graph check in compat/legs.py), a no_grad pass "
-            "over token ids made under inference mode, then an inference-mode decode loop "
-            "calling model(ids), skips the cache write that eager does (eager, aot_eager and "
-            "inductor backends, with and without fullgraph)"
+            "input's dispatch keys, which look the same for an inference tensor outside "
+            "inference mode and a normal tensor inside it, so a graph compiled for one kind of "
+            "pass is reused for the other (the probe's stale-graph sequences)"
         ),
     ),
     ReleaseSupport(
         first=(2, 8, 0),
         last=None,
         traces_is_inference=False,
-        default_policy=CachePolicy.FLAG,
+        guards_is_inference=False,
         reason=(
             "from torch 2.8 dynamo turns inference mode off while compiling and graph-breaks "
             "on Tensor.is_inference() by design (pytorch/pytorch#149321)"
         ),
     ),
 )
+DEFAULT_POLICY = CachePolicy.INFERENCE
+
+
+def eager_only(reason: str) -> Any:
+    """Decorator: the function always runs in eager code; a compiled caller graph-breaks
+    there, and a ``fullgraph`` one fails with ``reason`` in the error where the release can
+    show one (``torch.compiler.disable(reason=...)``, torch 2.8 and later; detected, not
+    looked up)."""
+
+    def wrap(fn: Any) -> Any:
+        try:
+            return torch.compiler.disable(fn, reason=reason)
+        except TypeError:  # no reason= before torch 2.8
+            return torch.compiler.disable(fn)
+
+    return wrap
 
 
 def release_support(version: TorchVersion | str | None = None) -> ReleaseSupport:
@@ -234,14 +265,18 @@ def _to_policy(value: CachePolicy | str, origin: str) -> CachePolicy:
 
 def _resolve(override: CachePolicy | None) -> PolicyDecision:
     version = torch_version()
-    row = release_support(version)
     if override is not None:
         return PolicyDecision(override, "override", "set by attn.compat.set_cache_policy()", version)
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         policy = _to_policy(env, f"environment variable {ENV_VAR}")
         return PolicyDecision(policy, "environment", f"set by {ENV_VAR}={env}", version)
-    return PolicyDecision(row.default_policy, "default", row.reason, version)
+    return PolicyDecision(
+        DEFAULT_POLICY,
+        "default",
+        "the default on every release: the flag or inference mode decides, in eager code",
+        version,
+    )
 
 
 _decision: PolicyDecision = _resolve(None)
@@ -268,7 +303,7 @@ def set_cache_policy(policy: CachePolicy | str | None) -> PolicyDecision:
     """Overrides the cache policy for this process; ``None`` returns to env var or default.
 
     Changing the policy makes compiled models recompile on their next call (dynamo guards on
-    it). Forcing ``INFERENCE`` on a release that cannot trace ``is_inference()`` warns once.
+    it).
 
     Returns:
         The decision now in force.
@@ -276,14 +311,28 @@ def set_cache_policy(policy: CachePolicy | str | None) -> PolicyDecision:
     global _decision
     override = None if policy is None else _to_policy(policy, "set_cache_policy(policy)")
     _decision = _resolve(override)
-    warn_if_inference_untraceable()
     return _decision
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside attn and torch."""
+    frame = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _warn_once(key: str, message: str) -> None:
+    """Warns once per process, at the user's line (not at a line inside attn or torch)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, CompatWarning, stacklevel=4)
+        warnings.warn(message, CompatWarning, stacklevel=_user_stacklevel())
 
 
 def _reset_warnings() -> None:
@@ -291,41 +340,40 @@ def _reset_warnings() -> None:
     _warned.clear()
 
 
-def warn_if_inference_untraceable() -> None:
-    """Warns once when ``INFERENCE`` is forced on a release that cannot compile it."""
-    row = release_support(_decision.torch_version)
-    if _decision.policy is CachePolicy.INFERENCE and not row.traces_is_inference:
-        _warn_once(
-            "forced-inference",
-            f"the INFERENCE cache policy is {_decision.reason[0].lower() + _decision.reason[1:]} "
-            f"on torch {_decision.torch_version}, where {row.reason}: eager code is correct, "
-            "but torch.compile will graph-break at every attention layer (and fullgraph=True "
-            "fails). Use the FLAG policy with attn.cached_inference(model) to compile.",
-        )
-
-
-def warn_on_cache_setup() -> None:
-    """Called when caches are set up: tells a user on a FLAG-default release what to do."""
-    if _decision.source == "default" and _decision.policy is CachePolicy.FLAG:
-        _warn_once(
-            "flag-default",
-            f"attn uses the FLAG cache policy on torch {_decision.torch_version}: "
-            f"{_decision.reason}. torch.inference_mode() alone does not use the KV-cache "
-            "here; wrap generation in attn.cached_inference(model), which caches on every "
-            f"torch release, eager or compiled (set {ENV_VAR}=flag to silence this, or "
-            f"{ENV_VAR}=inference to decide by inference mode in eager code).",
-        )
-    warn_if_inference_untraceable()
-
-
 def warn_inference_mode_ignored() -> None:
-    """Called (eagerly) when a FLAG-policy pass ran in inference mode without the flag."""
+    """A FLAG-policy pass ran in inference mode without the flag (called in eager code)."""
     _warn_once(
         "inference-mode-ignored",
         f"a forward pass ran under torch.inference_mode() with KV-caches set up, but the "
         f"cache policy is FLAG ({_decision.reason}), so it did not use or change the cache. "
-        "To generate with the cache, use attn.cached_inference(model); to score without it, "
-        "wrap the pass in attn.disable_kv_cache(model) to silence this warning.",
+        "To generate with the cache, use attn.cached_inference(model) (or drop the FLAG "
+        "policy: by default inference mode uses the cache); to score without it, wrap the "
+        "pass in attn.disable_kv_cache(model).",
+    )
+
+
+def warn_compiled_inference_decision() -> None:
+    """A compiled forward met the inference-mode test, which runs in eager code."""
+    row = release_support(_decision.torch_version)
+    _warn_once(
+        "compiled-inference-decision",
+        f"torch {_decision.torch_version} cannot decide by inference mode inside a compiled "
+        f"graph ({row.reason}), so a compiled forward with KV-caches set up and no flag makes "
+        f"that decision in eager code: {row.graph_breaks_per_forward} graph break per forward, "
+        f"same results as eager. With fullgraph=True it fails instead; {FIX}.",
+    )
+
+
+def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
+    """An inference-mode pass of several tokens continues a cache a decode loop filled."""
+    _warn_once(
+        "inference-mode-onto-filled-cache",
+        f"a forward pass of {num_tokens} tokens per row ran under torch.inference_mode() onto "
+        f"a KV-cache that already holds {filled} tokens of an earlier generation, so it was "
+        "appended to that sequence. To score without the cache, run it under torch.no_grad() "
+        "or inside attn.disable_kv_cache(model); to start a new sequence, call "
+        "model.reset_caches() first; to continue on purpose, use attn.cached_inference(model), "
+        "which never warns.",
     )
 
 
@@ -333,47 +381,80 @@ class ProbeResult(NamedTuple):
     """Outcome of compiling the ``is_inference()`` probe on the installed torch."""
 
     traced: bool
-    """Did ``fullgraph=True`` trace it and give eager's result?"""
+    """Did ``fullgraph=True`` trace it and give eager's results when kinds of pass alternate?"""
+    guarded: bool
+    """Where traced: did every stale-graph sequence give eager's results too?"""
     backend: str
     error: str | None
-    """The error text where tracing failed (first line), else ``None``."""
+    """Why not, in one line (the first line of the error, or the difference), else ``None``."""
+
+    @property
+    def decides_in_graph(self) -> bool:
+        return self.traced and self.guarded
+
+
+def _write_if_inference(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The shape of a cache decision: write ``buffer`` iff the activation is an inference tensor."""
+    h = x * 2  # an activation: an inference tensor exactly when the pass runs in inference mode
+    if h.is_inference():
+        buffer.copy_(h)
+    return h + 1
+
+
+def _writes(call, passes: list[tuple[str, bool]]) -> list[bool]:
+    """Runs ``call`` once per (mode, inference-made input) pass; did each write the buffer?"""
+    buffer = torch.zeros(4)
+    writes = []
+    for mode, inference_input in passes:
+        if inference_input:
+            with torch.inference_mode():
+                x = torch.arange(4.0)
+        else:
+            x = torch.arange(4.0)
+        buffer.zero_()
+        with torch.inference_mode() if mode == "inference" else torch.no_grad():
+            call(x, buffer)
+        writes.append(bool(buffer.any()))
+    return writes
+
+
+# A straightforward alternation, then the stale-graph sequences: the first pass of each
+# compiles a graph that a later pass, of the other kind but with the same dispatch keys on
+# its input, may reuse.
+_PLAIN_PASSES = [("inference", False), ("no_grad", False), ("inference", False)]
+_STALE_SEQUENCES = (
+    [("no_grad", True), ("inference", False)],
+    [("inference", False), ("no_grad", True)],
+)
 
 
 def probe_is_inference_trace(backend: str = "eager") -> ProbeResult:
-    """Compiles, with ``fullgraph=True``, a function that branches on ``x.is_inference()``.
+    """Compiles, with ``fullgraph=True``, a function that branches on ``h.is_inference()``.
 
-    The function writes a preallocated buffer when its input is an inference tensor: the
-    shape of a KV-cache write. Tracing succeeds only if dynamo can evaluate
-    ``is_inference()``; a traced result also has to match eager on an inference input and
-    on a normal one.
+    The function writes a preallocated buffer when its activation is an inference tensor:
+    the shape of a KV-cache decision. ``traced``: dynamo compiled it and it wrote exactly
+    where eager does over inference-mode and no_grad passes. ``guarded``: it also did over
+    the stale-graph sequences (a no_grad pass over an input made under inference mode, and
+    an inference-mode pass, in both orders, each on a fresh compile).
     """
 
-    def write_if_inference(x: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        if x.is_inference():
-            buffer.copy_(x)
-        return x + 1
+    def compiled() -> Any:
+        torch._dynamo.reset()
+        return torch.compile(_write_if_inference, fullgraph=True, backend=backend)
 
-    compiled = torch.compile(write_if_inference, fullgraph=True, backend=backend)
-    buffer = torch.zeros(4)
     try:
-        with torch.inference_mode():
-            compiled(torch.arange(4.0), buffer)
-        wrote_under_inference = bool(torch.equal(buffer, torch.arange(4.0)))
-        buffer.zero_()
-        with torch.no_grad():
-            compiled(torch.arange(4.0), buffer)
-        wrote_under_no_grad = bool(buffer.any())
+        want, got = _writes(_write_if_inference, _PLAIN_PASSES), _writes(compiled(), _PLAIN_PASSES)
     except Exception as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return ProbeResult(False, backend, f"{type(error).__module__}.{type(error).__name__}: {first_line}")
-    if not wrote_under_inference or wrote_under_no_grad:
-        return ProbeResult(
-            False,
-            backend,
-            f"compiled without error but gave wrong results (wrote under inference mode: "
-            f"{wrote_under_inference}, wrote under no_grad: {wrote_under_no_grad})",
-        )
-    return ProbeResult(True, backend, None)
+        return ProbeResult(False, False, backend, f"{type(error).__module__}.{type(error).__name__}: {first_line}")
+    if got != want:
+        return ProbeResult(False, False, backend, f"compiled without error but wrote {got} where eager wrote {want}")
+    for passes in _STALE_SEQUENCES:
+        want, got = _writes(_write_if_inference, passes), _writes(compiled(), passes)
+        if got != want:
+            sequence = " then ".join(f"{mode}{' over an inference-made input' if inf else ''}" for mode, inf in passes)
+            return ProbeResult(True, False, backend, f"stale graph: {sequence} wrote {got}, eager {want}")
+    return ProbeResult(True, True, backend, None)
 
 
 def compat_report(probe: bool = False) -> str:
@@ -382,15 +463,26 @@ def compat_report(probe: bool = False) -> str:
     row = release_support(decision.torch_version)
     lines = [
         f"torch:               {torch.__version__} (parsed {decision.torch_version.release})",
-        f"cache policy:        {decision.policy.value} ({decision.source})",
-        f"why:                 {decision.reason}",
+        f"cache policy:        {decision.policy.value} ({decision.source}): {decision.reason}",
+        "usage:               with torch.inference_mode(): model(ids)  # uses the cache",
         f"release range:       torch {row.label}",
         f"traces is_inference: {'yes' if row.traces_is_inference else 'no'} (release table)",
+        f"decides in graph:    {'yes' if row.decides_in_graph else 'no'}: {row.reason}",
+        f"compiled cost:       {row.graph_breaks_per_forward} graph break per forward that tests inference mode",
+        f"fullgraph/export:    {FIX}",
     ]
     if probe:
         result = probe_is_inference_trace()
-        measured = "yes" if result.traced else f"no ({result.error})"
-        agrees = "agrees" if result.traced == row.traces_is_inference else "DISAGREES with the table"
+        measured = "yes" if result.decides_in_graph else f"no ({result.error})"
+        agrees = (
+            "agrees"
+            if (result.traced, result.decides_in_graph)
+            == (
+                row.traces_is_inference,
+                row.decides_in_graph,
+            )
+            else "DISAGREES with the table"
+        )
         lines.append(f"probe (fullgraph):   {measured}; {agrees}")
     lines.append(f"override:            {ENV_VAR}=inference|flag or attn.compat.set_cache_policy()")
     return "\n".join(lines)

@@ -29,9 +29,9 @@ def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
 def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
     """Sets the explicit KV-cache flag on every attention layer of ``model``.
 
-    ``mode=True``: passes use the cache under the ``FLAG`` policy (under ``INFERENCE`` they
-    still need an inference-tensor input). A grad-enabled pass inside raises.
-    ``mode=False``: no pass touches the cache, under any mode or policy.
+    ``mode=True``: grad-free passes use the cache, under every policy, with no
+    inference-mode test (so they compile with ``fullgraph=True``). A grad-enabled pass
+    inside raises. ``mode=False``: no pass touches the cache, under any mode or policy.
 
     Example::
 
@@ -71,8 +71,10 @@ def disable_kv_cache(model: nn.Module) -> contextlib.AbstractContextManager[nn.M
 def cached_inference(model: nn.Module) -> Iterator[nn.Module]:
     """``torch.inference_mode()`` plus the flag: passes inside use the cache.
 
-    The portable spelling: it caches under every policy and torch release, eager or
-    compiled.
+    Plain ``torch.inference_mode()`` uses the cache too (by default); this spelling adds
+    the explicit flag, which needs no inference-mode test: use it where a compiled forward
+    must not graph-break (``fullgraph=True``, ``torch.export``, CUDA graphs) and to continue
+    a sequence on purpose.
     """
     with torch.inference_mode(), kv_cache_mode(model, True):
         yield model

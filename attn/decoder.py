@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
 from attn.attention import MultiHeadAttention, default_pos_and_mask
 from attn.kv_cache import KVCache
+from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -197,7 +197,6 @@ class TransformerDecoder(nn.Module):
         weight = self.tok_embeddings.weight
         for attention in self._attention():
             attention.setup_cache(batch_size, max_seq_len, dtype=dtype or weight.dtype, device=device or weight.device)
-        compat.warn_on_cache_setup()
 
     def caches_are_setup(self) -> bool:
         """Do the layers have KV-caches?"""
@@ -208,10 +207,31 @@ class TransformerDecoder(nn.Module):
 
         Returns ``False`` for a grad-enabled pass with the flag on: that pass raises.
         """
+        first = self.layers[0].attn
         try:
-            return self.layers[0].attn.uses_cache(None)
+            return uses_cache(first.kv_cache, first.cache_mode, 1, warn=False)
         except RuntimeError:
             return False
+
+    def uses_cache(self, num_tokens: int) -> bool:
+        """Will a forward pass of ``num_tokens`` tokens per row, run now, use the cache?
+
+        The decision ``forward`` makes (``attn.policy.uses_cache``). A caller that runs the
+        model compiled with ``fullgraph=True`` can make it in eager code and pass it on:
+        ``model(tokens, use_cache=model.uses_cache(s))``.
+
+        Raises:
+            RuntimeError: the flag is on and grad is enabled.
+        """
+        first = self.layers[0].attn
+        return uses_cache(first.kv_cache, first.cache_mode, num_tokens)
+
+    def check_cache_capacity(self, batch_size: int, num_tokens: int) -> None:
+        """Raises, before anything is written, if ``num_tokens`` more tokens per row do not
+        fit the caches or ``batch_size`` rows do not match them (one host read, eager only)."""
+        if not self.caches_are_setup():
+            raise RuntimeError("caches are not set up: call setup_caches() first")
+        self.layers[0].attn.kv_cache.check_update(batch_size, num_tokens)
 
     def reset_caches(self) -> None:
         """Empties every cache (keeps them set up); works in and out of inference mode."""
@@ -238,6 +258,8 @@ class TransformerDecoder(nn.Module):
         input_pos: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         last_only: bool = False,
+        use_cache: bool | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """Logits for every position of ``tokens``, or for the last one.
 
@@ -251,21 +273,29 @@ class TransformerDecoder(nn.Module):
             last_only: compute logits for the last position only (a prompt's prefill needs
                 no more): skips the output layer for the other positions and never holds a
                 (b, s, v) tensor.
+            use_cache: the decision, made by the caller with ``self.uses_cache(s)`` (for a
+                ``fullgraph`` compile); ``None`` (the default) decides here.
+            checked: the caller has checked the token ids and the cache capacity for this
+                pass (``attn.generate`` does, once per generation); skips the host reads
+                those checks cost.
 
         Returns:
             (b, s, v) logits, in the model's dtype; (b, 1, v) with ``last_only``.
         """
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {last_only!r}")
-        self._check_tokens(tokens)
+        self._check_tokens(tokens, checked)
         b, s = tokens.shape
-        h = self.tok_embeddings(tokens)  # (b, s, e)
         first = self.layers[0].attn
-        use_cache = first.uses_cache(h)
+        if use_cache is None:  # attn.policy.uses_cache, its inference-mode test in this frame
+            use_cache = explicit_decision(first.kv_cache, first.cache_mode)
+            if use_cache is None:
+                use_cache = inference_mode_decides(first.kv_cache, s, torch.compiler.is_compiling())
         cache = first.kv_cache if use_cache else None
-        if cache is not None:
+        if cache is not None and not checked:
             cache.check_update(b, s)  # raise before any layer writes
         input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)
+        h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)
         if last_only:
@@ -275,7 +305,7 @@ class TransformerDecoder(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, v)
         return self.output(h)  # (b, s, v)
 
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
+    def _check_tokens(self, tokens: torch.Tensor, checked: bool) -> None:
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of ids, got {type(tokens).__name__}")
         if tokens.dim() != 2:
@@ -287,8 +317,8 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError(f"tokens has no positions: shape {tuple(tokens.shape)}")
-        if not torch.compiler.is_compiling():
-            low, high = int(tokens.min()), int(tokens.max())
+        if not checked and not torch.compiler.is_compiling():
+            low, high = torch.stack((tokens.min(), tokens.max())).tolist()  # one host read
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
                     f"token ids must be in [0, {self.config.vocab_size}), got min {low} and max "

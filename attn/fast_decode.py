@@ -43,9 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
-from attn.compat import CachePolicy
-
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
 
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
@@ -289,24 +286,23 @@ class DecodeCompiled(nn.Module):
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
-    def forward(self, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
+    ) -> torch.Tensor:
         """Same contract as ``TransformerDecoder.forward``; (b, 1) tokens run compiled.
 
-        Keyword arguments (``input_pos``, ``mask``, ...) go to the model as they are.
+        The cache decision and the capacity check run here, in eager code, and the compiled
+        step (``fullgraph``) takes the decision as a bool: a plain ``torch.inference_mode()``
+        decode loop runs it as ``attn.generate`` does, with no graph break.
         """
         if tokens.dim() != 2 or tokens.shape[1] != 1:
-            return self.model(tokens, **kwargs)
-        if compat.active_policy() is CachePolicy.INFERENCE and not compat.release_support().traces_is_inference:
-            raise RuntimeError(
-                f"compile_for_decode needs the FLAG cache policy on torch {compat.torch_version()}, "
-                "which cannot compile Tensor.is_inference() (see attn.compat.compat_report()); "
-                "call attn.compat.set_cache_policy('flag') or use the model in eager code"
-            )
-        if self.model.caches_are_enabled():
-            # The compiled step cannot read the fill position; here, in eager code, an
-            # overflow gets the same error as the eager model's, before anything is written.
-            self.model.layers[0].attn.kv_cache.check_update(tokens.shape[0], 1)  # 2 us; kv_caches() takes 20
-        return self._step(tokens, **kwargs)
+            return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
+        if use_cache is None:
+            use_cache = self.model.uses_cache(1)
+        if use_cache and not checked:
+            self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
+        # Checked here or by the caller: one compiled step for generate and hand-written loops.
+        return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
 
 
 def compile_for_decode(
@@ -318,8 +314,8 @@ def compile_for_decode(
     cores) and once per new batch size, cache length or dtype after that; decode through
     ``attn.generate`` compiles once for a whole generation. Set up the caches once
     (``model.setup_caches``) to share one compiled step between generations of different
-    lengths. Needs the ``FLAG`` cache policy on releases that cannot compile
-    ``Tensor.is_inference()`` (the default on every release).
+    lengths. The cache decision runs in eager code before the step, so a plain
+    ``torch.inference_mode()`` decode loop drives it exactly as it drives the model.
 
     Args:
         model: a ``TransformerDecoder`` in eval mode; it is shared, not copied.

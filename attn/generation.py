@@ -4,7 +4,8 @@ Shapes: b = batch, P = longest prompt, N = max_new_tokens, L = cache slots, v = 
 
 Prompts are left-padded to P, so every row's next token goes to the same cache slot; each
 row keeps its own RoPE positions and a mask hides its padding. Everything runs under
-``attn.cached_inference`` (so it caches under every policy, eager or compiled), and the
+``attn.cached_inference`` (the explicit flag: no inference-mode test, so no graph break in
+a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
 """
 
@@ -243,7 +244,8 @@ def _decode(
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
         mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, L)
-        logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True)[:, -1]  # (b, v)
+        # Ids and capacity were checked up front: the steps make no host reads of their own.
+        logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True, checked=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
         done = torch.zeros(b, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
@@ -255,12 +257,13 @@ def _decode(
             logprobs[:, step] = torch.where(done, 0.0, logprob)
             new_mask[:, step] = ~done
             done = done | torch.isin(token, stop_ids)
-            if step == max_new_tokens - 1 or bool(done.all()):
+            if step == max_new_tokens - 1 or (stops and bool(done.all())):  # the one host read a step
                 break
             slot = torch.tensor([P + step], device=device)  # (1,)
             # A fresh (b, 1) tensor, not a slice of new_tokens: a changing storage offset
             # would make torch.compile recompile the decode step.
-            logits = model(token[:, None], input_pos=next_pos, mask=slot_mask(key_valid, slot))[:, -1]  # (b, v)
+            step_mask = slot_mask(key_valid, slot)  # (b, 1, L)
+            logits = model(token[:, None], input_pos=next_pos, mask=step_mask, checked=True)[:, -1]  # (b, v)
             next_pos = next_pos + 1
     logits_out = None
     if return_logits:

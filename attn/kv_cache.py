@@ -63,6 +63,9 @@ class KVCache(nn.Module):
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+            # Tokens the latest update wrote (0 after a reset): tells a decode loop that goes
+            # on from a prompt scored by mistake (attn.policy warns on it).
+            self.register_buffer("last_write", torch.zeros((), dtype=torch.long, device=device), persistent=False)
 
     @property
     def size(self) -> int:
@@ -79,9 +82,21 @@ class KVCache(nn.Module):
         """Raises, before anything is written, if ``seq_len`` new tokens would not fit.
 
         The shape checks are static and cost nothing under ``torch.compile``. The capacity
-        check reads the fill position, so it runs in eager code only; compiled code relies on
-        the caller (``attn.generate`` checks the whole generation up front).
+        check reads the fill position (one host sync), so it runs in eager code only;
+        compiled code relies on the caller (``attn.generate`` checks the whole generation
+        up front) and on ``update``'s all-or-nothing write.
         """
+        self._check_rows(batch_size)
+        if not torch.compiler.is_compiling():
+            filled = self.size
+            if filled + seq_len > self.max_seq_len:
+                raise RuntimeError(
+                    f"KV-cache overflow: it holds {filled} tokens, {seq_len} more do not fit in "
+                    f"its capacity of {self.max_seq_len}; call reset_caches() to start over or "
+                    "setup_caches() with a larger max_seq_len"
+                )
+
+    def _check_rows(self, batch_size: int) -> None:
         if self.torn_down:
             raise RuntimeError(
                 "this KVCache was torn down (teardown_caches()); call setup_caches() to make a "
@@ -93,21 +108,16 @@ class KVCache(nn.Module):
                 f"{self.batch_size}: call setup_caches(batch_size={batch_size}, ...) or pass "
                 f"exactly {self.batch_size} rows"
             )
-        if not torch.compiler.is_compiling():
-            filled = self.size
-            if filled + seq_len > self.max_seq_len:
-                raise RuntimeError(
-                    f"KV-cache overflow: it holds {filled} tokens, {seq_len} more do not fit in "
-                    f"its capacity of {self.max_seq_len}; call reset_caches() to start over or "
-                    "setup_caches() with a larger max_seq_len"
-                )
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, k: torch.Tensor, v: torch.Tensor, *, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``k`` and ``v`` at the fill position and advances it.
 
         Args:
             k: new keys, (b, h_kv, s, d).
             v: new values, (b, h_kv, s, d).
+            checked: the caller ran ``check_update(b, s)`` for this write already (the
+                decoder does, once per forward for all its layers); skips the capacity
+                read, a host sync.
 
         Returns:
             The whole key and value buffers, each (b, h_kv, L, d); slots at or past the new
@@ -119,17 +129,20 @@ class KVCache(nn.Module):
                 f"KVCache.update expects k and v of shape (b, {self.num_kv_heads}, s, "
                 f"{self.head_dim}), got k {tuple(k.shape)} and v {tuple(v.shape)}"
             )
-        self.check_update(b, s)
+        if checked:
+            self._check_rows(b)
+        else:
+            self.check_update(b, s)
         slots = self.cache_pos + torch.arange(s, device=k.device)  # (s,)
-        if torch.compiler.is_compiling():
-            # All or nothing. Compiled code cannot raise the capacity error of check_update,
-            # so an overflow is refused by the write's own bounds check, which inductor runs
-            # element by element as it stores: the slots that fit would be written before it
-            # fails. If any slot is past the end, send every slot there: the first store fails.
-            slots = torch.where(slots[-1] < self.max_seq_len, slots, self.max_seq_len)  # (s,)
+        # All or nothing, where no capacity error was raised (compiled code cannot raise one):
+        # the write's own bounds check refuses an overflow, but it runs element by element as
+        # it stores, so the slots that fit would be written first. If any slot is past the
+        # end, send every slot there: the first store fails.
+        slots = torch.where(slots[-1] < self.max_seq_len, slots, self.max_seq_len)  # (s,)
         self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
         self.cache_pos.add_(s)
+        self.last_write.fill_(s)
         return self.k_cache, self.v_cache
 
     def reset(self) -> None:
@@ -137,3 +150,4 @@ class KVCache(nn.Module):
         self.k_cache.zero_()
         self.v_cache.zero_()
         self.cache_pos.zero_()
+        self.last_write.zero_()

@@ -2,27 +2,29 @@
 
 Run by compat/run.py with the leg's python (torch of the leg's release, attn installed)::
 
-    python compat/legs.py LEG [--out result.json] [--only policy,probe,stale-graph]
+    python compat/legs.py LEG [--out result.json] [--only policy,probe,sequences]
 
 Checks:
 
 - ``policy``: ``attn.compat.cache_policy()`` resolves, by default, to the leg's policy in
-  compat/matrix.toml, and ``release_support()`` gives the same policy and traces flag.
-- ``probe``: ``attn.compat.probe_is_inference_trace(backend)`` (fullgraph) traces exactly
-  where the leg says, on every backend of ``probe_backends``; the error text is recorded and
-  must contain the leg's ``probe_error``.
-- ``stale-graph`` (legs with ``stale_graph = true``): with the INFERENCE policy forced, the
-  library's own model and ``attn.generate`` run each sequence below eagerly and compiled
-  (every backend of ``stale_graph_backends``, with and without fullgraph), and the cache
-  fill positions (``KVCache.size``) and tokens are compared step by step. Sequences:
+  compat/matrix.toml, and ``release_support()``'s row claims what the leg claims.
+- ``probe``: ``attn.compat.probe_is_inference_trace(backend)`` (fullgraph) traces, and keeps
+  a sound guard over the stale-graph sequences, exactly where the leg says, on every backend
+  of ``probe_backends``; where it fails to trace, the error must contain ``probe_error``.
+- ``sequences``: under the default policy, attn's own model runs each sequence below eagerly
+  and compiled without fullgraph (every backend of ``sequence_backends``; inductor runs the
+  ``stateful`` one), and cache fill positions, cache contents and tokens must match eager at
+  every step; passes that must leave the cache alone must leave it bit-for-bit. The graph
+  breaks of the first compiled forward must equal the leg's ``graph_breaks_per_forward``, and
+  ``attn.cached_inference`` with ``fullgraph=True`` must compile the decode step once and
+  never again over further steps. Sequences:
 
-  - ``no_grad->decode``: a no_grad pass over token ids created under inference mode, then
-    an ordinary inference-mode generation by a hand-written decode loop;
+  - ``no_grad->decode``: a no_grad pass over token ids created under inference mode, then a
+    hand-written decode loop under plain ``torch.inference_mode()``;
   - ``no_grad->generate``: the same no_grad pass, then ``attn.generate``;
-  - ``decode->no_grad`` and ``generate->no_grad``: the reverse orders.
-
-  Verdict: ``inference`` if compiled equals eager in every sequence, else ``flag``; the
-  verdict must equal the leg's policy.
+  - ``decode->no_grad`` and ``generate->no_grad``: the reverse orders;
+  - ``stateful``: inference-mode prefill, no_grad over inference-made ids, inference-mode
+    decode, a grad pass with backward, a no_grad pass, inference-mode decode.
 
 Exit status 0 when every check passed, 1 when one failed, 2 on a usage error.
 """
@@ -46,6 +48,8 @@ import matrix as matrix_data
 os.environ.pop("ATTN_CACHE_POLICY", None)
 
 import torch
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
 
 import attn
 from attn import compat
@@ -62,6 +66,10 @@ def _first_line(error: BaseException) -> str:
 # --- check 1: the policy --------------------------------------------------------------------
 
 
+def _claims(policy: str, traces: bool, decides: bool, breaks: int) -> dict:
+    return {"policy": policy, "traces_is_inference": traces, "decides_in_graph": decides, "graph_breaks": breaks}
+
+
 def check_policy(leg: matrix_data.Leg) -> dict:
     decision = compat.cache_policy()
     row = compat.release_support()
@@ -70,24 +78,19 @@ def check_policy(leg: matrix_data.Leg) -> dict:
         problems.append(f"cache_policy() resolved to {decision.policy.value!r}, the leg expects {leg.policy!r}")
     if decision.source != "default":
         problems.append(f"cache_policy() came from {decision.source!r}, not the release default")
-    if row.default_policy.value != leg.policy:
-        problems.append(
-            f"release_support() row {row.label!r} says default_policy={row.default_policy.value!r}, "
-            f"the leg expects {leg.policy!r}"
-        )
-    if row.traces_is_inference != leg.traces_is_inference:
-        problems.append(
-            f"release_support() row {row.label!r} says traces_is_inference={row.traces_is_inference}, "
-            f"the leg expects {leg.traces_is_inference}"
-        )
+    want = _claims(leg.policy, leg.traces_is_inference, leg.decides_in_graph, leg.graph_breaks_per_forward)
+    got = _claims(
+        compat.DEFAULT_POLICY.value, row.traces_is_inference, row.decides_in_graph, row.graph_breaks_per_forward
+    )
+    if got != want:
+        problems.append(f"release_support() row {row.label!r} claims {got}, the leg claims {want}")
     return {
         "ok": not problems,
         "problems": problems,
         "policy": decision.policy.value,
         "source": decision.source,
         "row": row.label,
-        "row_traces_is_inference": row.traces_is_inference,
-        "reason": decision.reason,
+        "reason": row.reason,
     }
 
 
@@ -99,32 +102,32 @@ def check_probe(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
     results = []
     problems = []
     for backend in backends:
-        torch._dynamo.reset()  # no graph of an earlier backend is reused
         start = time.monotonic()
         try:
             result = compat.probe_is_inference_trace(backend)
-            traced, error = result.traced, result.error
+            traced, decides, error = result.traced, result.decides_in_graph, result.error
         except Exception as exc:  # the probe itself must not raise; record it if it does
-            traced, error = False, f"probe raised {_first_line(exc)}"
+            traced, decides, error = False, False, f"probe raised {_first_line(exc)}"
             problems.append(f"{backend}: probe_is_inference_trace raised instead of returning: {error}")
         seconds = round(time.monotonic() - start, 1)
-        results.append({"backend": backend, "traced": traced, "error": error, "seconds": seconds})
-        if traced != leg.traces_is_inference:
-            problems.append(
-                f"{backend}: probe traced={traced} ({error or 'no error'}), the leg expects "
-                f"traces_is_inference={leg.traces_is_inference}"
-            )
-        if traced != row.traces_is_inference:
-            problems.append(
-                f"{backend}: probe traced={traced}, release_support() row {row.label!r} says "
-                f"traces_is_inference={row.traces_is_inference}"
-            )
+        results.append(
+            {"backend": backend, "traced": traced, "decides_in_graph": decides, "error": error, "seconds": seconds}
+        )
+        for what, measured, leg_says, row_says in (
+            ("traced", traced, leg.traces_is_inference, row.traces_is_inference),
+            ("decides_in_graph", decides, leg.decides_in_graph, row.decides_in_graph),
+        ):
+            if measured != leg_says or measured != row_says:
+                problems.append(
+                    f"{backend}: probe {what}={measured} ({error or 'no error'}); the leg says {leg_says}, "
+                    f"release_support() row {row.label!r} says {row_says}"
+                )
         if not traced and leg.probe_error and leg.probe_error not in (error or ""):
             problems.append(f"{backend}: error text {error!r} does not contain {leg.probe_error!r}")
     return {"ok": not problems, "problems": problems, "backends": results}
 
 
-# --- check 3: the stale-graph sequences -----------------------------------------------------
+# --- check 3: the sequences -----------------------------------------------------------------
 
 
 def _build_model(seed: int = 0) -> torch.nn.Module:
@@ -143,8 +146,23 @@ def _build_model(seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _cache_sizes(model: torch.nn.Module) -> list[int]:
-    return [m.size for m in model.modules() if isinstance(m, attn.KVCache)]
+def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [t.clone() for c in model.kv_caches() for t in (c.k_cache, c.v_cache, c.cache_pos)]
+
+
+def _cache(model, log, label: str) -> None:
+    """Logs the fill positions and the cache contents (compared with a tolerance)."""
+    log.append((f"{label}: cache sizes", [c.size for c in model.kv_caches()]))
+    log.append((f"{label}: cache contents", _snapshot(model)))
+
+
+def _untouched(call, model, log, label: str, run) -> torch.Tensor:
+    """Runs a pass that must leave the cache bit-for-bit alone, and logs whether it did."""
+    before = _snapshot(model)
+    out = run()
+    after = _snapshot(model)
+    log.append((f"{label}: cache untouched", all(torch.equal(a, b) for a, b in zip(before, after, strict=True))))
+    return out
 
 
 def _no_grad_pass(call, model, log) -> None:
@@ -152,33 +170,57 @@ def _no_grad_pass(call, model, log) -> None:
     with torch.inference_mode():
         ids = torch.tensor([PROMPT])
     with torch.no_grad():
-        logits = call(ids)
+        logits = _untouched(call, model, log, "no_grad pass", lambda: call(ids))
     log.append(("no_grad pass: argmax", logits.argmax(-1).tolist()))
-    log.append(("no_grad pass: cache sizes", _cache_sizes(model)))
+
+
+def _grad_pass(call, model, log) -> None:
+    """A training forward and backward."""
+    ids = torch.tensor([PROMPT])
+    logits = _untouched(call, model, log, "grad pass", lambda: call(ids))
+    logits.float().logsumexp(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _decode_steps(call, model, log, token: torch.Tensor, steps: int, label: str) -> torch.Tensor:
+    tokens = []
+    with torch.inference_mode():
+        for step in range(steps):
+            logits = call(token)
+            _cache(model, log, f"{label} step {step + 1}")
+            token = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+            tokens.append(int(token))
+    log.append((f"{label}: tokens", tokens))
+    return token.clone()
+
+
+def _prefill(call, model, log) -> torch.Tensor:
+    model.reset_caches()
+    with torch.inference_mode():
+        logits = call(torch.tensor([PROMPT]))  # normal ids, passed in under inference mode
+    _cache(model, log, "prefill")
+    return logits[:, -1].argmax(-1, keepdim=True).clone()  # (1, 1)
 
 
 def _decode_loop(call, model, log) -> None:
     """An ordinary inference-mode generation, one token at a time, greedy."""
-    model.reset_caches()
-    prompt = torch.tensor([PROMPT])  # normal ids, passed in under inference mode
-    with torch.inference_mode():
-        logits = call(prompt)
-        log.append(("decode prefill: cache sizes", _cache_sizes(model)))
-        token = logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
-        tokens = [int(token)]
-        for step in range(NEW_TOKENS - 1):
-            logits = call(token)
-            log.append((f"decode step {step + 1}: cache sizes", _cache_sizes(model)))
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(int(token))
-    log.append(("decode: tokens", tokens))
+    _decode_steps(call, model, log, _prefill(call, model, log), NEW_TOKENS, "decode")
 
 
 def _generate(call, model, log) -> None:
     """attn.generate with the model's own caches (it resets them first)."""
     out = attn.generate(call, [PROMPT], max_new_tokens=NEW_TOKENS)
     log.append(("generate: tokens", out.generated.tolist()))
-    log.append(("generate: cache sizes after", _cache_sizes(model)))
+    _cache(model, log, "generate")
+
+
+def _stateful(call, model, log) -> None:
+    token = _prefill(call, model, log)
+    _no_grad_pass(call, model, log)
+    token = _decode_steps(call, model, log, token, 3, "decode")
+    _grad_pass(call, model, log)
+    _no_grad_pass(call, model, log)
+    _decode_steps(call, model, log, token, 3, "decode again")
 
 
 SEQUENCES = {
@@ -186,67 +228,97 @@ SEQUENCES = {
     "no_grad->generate": (_no_grad_pass, _generate),
     "decode->no_grad": (_decode_loop, _no_grad_pass),
     "generate->no_grad": (_generate, _no_grad_pass),
+    "stateful": (_stateful,),
 }
+CHEAP_BACKENDS = ("eager", "aot_eager")  # inductor compiles for seconds: it runs "stateful" only
 
 
-def _run_sequence(name: str, backend: str | None, fullgraph: bool) -> list:
+def _run_sequence(name: str, backend: str | None) -> tuple[list, int | None]:
+    """The sequence's log, and the graph breaks of the first compiled forward."""
     torch._dynamo.reset()
+    counters.clear()
     model = _build_model()
-    call = model if backend is None else torch.compile(model, backend=backend, fullgraph=fullgraph)
+    call = model if backend is None else torch.compile(model, backend=backend)
+    breaks = None
+    if backend is not None:  # count the first forward's breaks: an inference-mode prefill
+        with torch.inference_mode():
+            call(torch.tensor([PROMPT]))
+        breaks = sum(counters["graph_break"].values())
     log: list = []
     for step in SEQUENCES[name]:
         step(call, model, log)
-    return log
+    return log, breaks
+
+
+def _same(want, got) -> bool:
+    if isinstance(want, list) and want and isinstance(want[0], torch.Tensor):
+        return len(want) == len(got) and all(
+            torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5) for a, b in zip(want, got, strict=True)
+        )
+    return want == got
 
 
 def _first_difference(eager: list, compiled: list) -> str | None:
     for (label, want), (_, got) in zip(eager, compiled, strict=False):  # lengths compared below
-        if want != got:
+        if not _same(want, got):
+            if label.endswith("contents"):
+                return f"{label}: compiled differs from eager beyond rtol 1e-4"
             return f"{label}: eager {want}, compiled {got}"
+        if label.endswith("untouched") and not got:
+            return f"{label}: the pass changed the cache"
     if len(eager) != len(compiled):
         return f"eager logged {len(eager)} observations, compiled {len(compiled)}"
     return None
 
 
-def check_stale_graph(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
-    previous = compat.cache_policy()
-    compat.set_cache_policy("inference")
+def _fullgraph_decode_compiles_once() -> str | None:
+    """cached_inference + fullgraph: prefill and decode compile once each, then never again."""
+    torch._dynamo.reset()
+    model = _build_model()
+    counter = CompileCounter()
+    call = torch.compile(model, backend=counter, fullgraph=True)
+    with attn.cached_inference(model):
+        token = call(torch.tensor([PROMPT]))[:, -1].argmax(-1, keepdim=True)
+        for step in range(2 * NEW_TOKENS):
+            token = call(token)[:, -1].argmax(-1, keepdim=True)
+            if step == 1 and counter.frame_count != 2:
+                return f"after prefill and two decode steps: {counter.frame_count} compiles, expected 2"
+    if counter.frame_count != 2:
+        return f"{2 * NEW_TOKENS} decode steps recompiled: {counter.frame_count} compiles, expected 2"
+    return None
+
+
+def check_sequences(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
     runs = []
-    try:
-        for name in SEQUENCES:
-            eager = _run_sequence(name, None, False)
-            for backend in backends:
-                for fullgraph in (False, True):
-                    start = time.monotonic()
-                    entry = {"sequence": name, "backend": backend, "fullgraph": fullgraph}
-                    compiled = None
-                    try:
-                        compiled = _run_sequence(name, backend, fullgraph)
-                    except Exception as exc:
-                        entry.update(matches=False, error=_first_line(exc), difference=None)
-                    else:
-                        difference = _first_difference(eager, compiled)
-                        entry.update(matches=difference is None, error=None, difference=difference)
-                    entry["seconds"] = round(time.monotonic() - start, 1)
-                    entry["eager"] = eager
-                    entry["compiled"] = None if entry["error"] else compiled
-                    runs.append(entry)
-    finally:
-        compat.set_cache_policy(None if previous.source != "override" else previous.policy)
-        torch._dynamo.reset()
-    verdict = "inference" if all(run["matches"] for run in runs) else "flag"
     problems = []
-    if verdict != leg.policy:
-        failing = [run for run in runs if not run["matches"]]
-        detail = "; ".join(
-            f"{r['sequence']} [{r['backend']}, fullgraph={r['fullgraph']}]: {r['error'] or r['difference']}"
-            for r in failing[:4]
-        )
-        problems.append(
-            f"the stale-graph check decides {verdict!r} (compiled == eager in every sequence: "
-            f"{verdict == 'inference'}), the leg expects {leg.policy!r}" + (f"; {detail}" if detail else "")
-        )
-    return {"ok": not problems, "problems": problems, "verdict": verdict, "runs": runs}
+    for name in SEQUENCES:
+        eager, _ = _run_sequence(name, None)
+        for backend in backends:
+            if backend not in CHEAP_BACKENDS and name != "stateful":
+                continue
+            start = time.monotonic()
+            entry: dict = {"sequence": name, "backend": backend}
+            try:
+                compiled, breaks = _run_sequence(name, backend)
+            except Exception as exc:
+                entry.update(matches=False, error=_first_line(exc), difference=None, graph_breaks=None)
+            else:
+                difference = _first_difference(eager, compiled)
+                entry.update(matches=difference is None, error=None, difference=difference, graph_breaks=breaks)
+                if breaks != leg.graph_breaks_per_forward:
+                    problems.append(
+                        f"{name} [{backend}]: the first compiled forward took {breaks} graph breaks, "
+                        f"the leg expects {leg.graph_breaks_per_forward}"
+                    )
+            entry["seconds"] = round(time.monotonic() - start, 1)
+            runs.append(entry)
+            if not entry["matches"]:
+                problems.append(f"{name} [{backend}]: {entry['error'] or entry['difference']}")
+    fullgraph = _fullgraph_decode_compiles_once()
+    if fullgraph:
+        problems.append(f"cached_inference with fullgraph=True: {fullgraph}")
+    torch._dynamo.reset()
+    return {"ok": not problems, "problems": problems, "runs": runs, "fullgraph": fullgraph or "compiles once"}
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -256,11 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("leg", help="leg name in compat/matrix.toml")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
-    parser.add_argument("--only", default="policy,probe,stale-graph", help="comma-separated checks")
+    parser.add_argument("--only", default="policy,probe,sequences", help="comma-separated checks")
     parser.add_argument("--matrix", type=Path, default=matrix_data.MATRIX_FILE)
-    parser.add_argument(
-        "--stale-graph-backends", help="override the matrix's stale_graph_backends (e.g. eager,aot_eager,inductor)"
-    )
+    parser.add_argument("--sequence-backends", help="override the matrix's sequence_backends (e.g. eager,aot_eager)")
     args = parser.parse_args(argv)
     data = matrix_data.load(args.matrix)
     try:
@@ -276,15 +346,14 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "attn_file": attn.__file__,
     }
+    backends = data.settings.sequence_backends
+    if args.sequence_backends:
+        backends = tuple(b.strip() for b in args.sequence_backends.split(",") if b.strip())
     checks = [
         ("policy", lambda: check_policy(leg)),
         ("probe", lambda: check_probe(leg, data.settings.probe_backends)),
+        ("sequences", lambda: check_sequences(leg, backends)),
     ]
-    if leg.stale_graph:
-        backends = data.settings.stale_graph_backends
-        if args.stale_graph_backends:
-            backends = tuple(b.strip() for b in args.stale_graph_backends.split(",") if b.strip())
-        checks.append(("stale-graph", lambda: check_stale_graph(leg, backends)))
     ok = True
     for name, run in checks:
         if name not in only:
@@ -319,17 +388,20 @@ def _print_details(leg: matrix_data.Leg, result: dict) -> None:
         p = result["policy"]
         print(f"[{leg.name}] torch {result['torch']}: policy {p['policy']} ({p['source']}), row {p['row']}")
     for entry in result.get("probe", {}).get("backends", []):
-        outcome = "traced" if entry["traced"] else f"did not trace: {entry['error']}"
+        if entry["decides_in_graph"]:
+            outcome = "traced, sound guard"
+        else:
+            outcome = f"{'traced, stale guard' if entry['traced'] else 'did not trace'}: {entry['error']}"
         print(f"[{leg.name}] probe {entry['backend']}: {outcome} ({entry['seconds']} s)")
-    stale = result.get("stale-graph", {})
-    for run in stale.get("runs", []):
+    sequences = result.get("sequences", {})
+    for run in sequences.get("runs", []):
         outcome = "same as eager" if run["matches"] else f"DIFFERS: {run['error'] or run['difference']}"
         print(
-            f"[{leg.name}] stale-graph {run['sequence']:<18} {run['backend']:<9} "
-            f"fullgraph={run['fullgraph']!s:<5} {outcome} ({run['seconds']} s)"
+            f"[{leg.name}] sequence {run['sequence']:<18} {run['backend']:<9} graph breaks {run['graph_breaks']}, "
+            f"{outcome} ({run['seconds']} s)"
         )
-    if "verdict" in stale:
-        print(f"[{leg.name}] stale-graph verdict: {stale['verdict']} (leg expects {leg.policy})")
+    if "fullgraph" in sequences:
+        print(f"[{leg.name}] cached_inference fullgraph decode: {sequences['fullgraph']}")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,11 @@ class Leg:
     torch: str
     policy: str
     traces_is_inference: bool
+    decides_in_graph: bool
+    graph_breaks_per_forward: int
     why: str
     tests: str | tuple[str, ...] = "core"
     probe_error: str | None = None
-    stale_graph: bool = False
     lift_pip_cap: bool = False
     index_env: str | None = None
 
@@ -54,7 +55,7 @@ class Settings:
     home: str = "~/.cache/attn-matrix"
     min_free_gb: float = 15.0
     probe_backends: tuple[str, ...] = ("eager", "aot_eager")
-    stale_graph_backends: tuple[str, ...] = ("eager", "aot_eager")
+    sequence_backends: tuple[str, ...] = ("eager", "aot_eager")
     core_tests: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -95,7 +96,7 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
         home=raw_settings.get("home", Settings.home),
         min_free_gb=float(raw_settings.get("min_free_gb", Settings.min_free_gb)),
         probe_backends=tuple(raw_settings.get("probe_backends", Settings.probe_backends)),
-        stale_graph_backends=tuple(raw_settings.get("stale_graph_backends", Settings.stale_graph_backends)),
+        sequence_backends=tuple(raw_settings.get("sequence_backends", Settings.sequence_backends)),
         core_tests=tuple(raw_settings.get("core_tests", ())),
     )
     legs = []
@@ -105,7 +106,8 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-        missing = {"name", "torch", "policy", "traces_is_inference", "why"} - set(raw)
+        required = {"name", "torch", "policy", "traces_is_inference", "decides_in_graph", "graph_breaks_per_forward"}
+        missing = (required | {"why"}) - set(raw)
         if missing:
             raise ValueError(f"{where}: missing field(s) {sorted(missing)}")
         if raw["policy"] not in POLICIES:
@@ -129,17 +131,20 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
 def render_policy_table(matrix: Matrix | None = None, releases=None) -> str:
     """The README's policy table (markers included): one row per ``attn.compat.RELEASES`` row.
 
-    Each row says whether fullgraph tracing of ``is_inference()`` works, the default cache
-    policy, the matrix legs that prove it (compat/matrix.toml), and why. ``releases``
+    Each row says what the release can do with the inference-mode test under compile, what
+    it costs, the matrix legs that prove it (compat/matrix.toml), and why. ``releases``
     defaults to ``attn.compat.RELEASES`` (imported here, so this needs torch and attn).
     """
     matrix = matrix or load()
     if releases is None:
         from attn.compat import RELEASES as releases
+    from attn.compat import DEFAULT_POLICY
+
     lines = [
         TABLE_START,
-        "| torch | `torch.compile` traces `x.is_inference()` | default policy | proven on (compat/ legs) | why |",
-        "|---|---|---|---|---|",
+        "| torch | default policy | fullgraph traces `x.is_inference()` | ... with a sound guard "
+        "| graph breaks per compiled forward that tests inference mode | proven on (compat/ legs) | why |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in releases:
         legs = [
@@ -153,8 +158,10 @@ def render_policy_table(matrix: Matrix | None = None, releases=None) -> str:
             )
         ]
         traces = "yes" if row.traces_is_inference else "no"
+        guarded = "yes" if row.decides_in_graph else "no"
         lines.append(
-            f"| {row.label} | {traces} | `{row.default_policy.value}` | {', '.join(legs) or 'none'} | {row.reason} |"
+            f"| {row.label} | `{DEFAULT_POLICY.value}` | {traces} | {guarded} | {row.graph_breaks_per_forward} "
+            f"| {', '.join(legs) or 'none'} | {row.reason} |"
         )
     lines.append(TABLE_END)
     return "\n".join(lines)

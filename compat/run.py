@@ -13,7 +13,7 @@ Per leg: resolve the release (``latest``: the newest release the package index s
 ``nightly``: only when the leg's index variable is set), build or reuse the environment in
 ``$ATTN_MATRIX_HOME/<leg>`` (default ``~/.cache/attn-matrix``), install torch first with
 ``==``, then the project editable with its test extra under a constraint that pins that
-torch; run compat/legs.py (policy, probe, stale-graph) and pytest. A table of all legs comes
+torch; run compat/legs.py (policy, probe, sequences) and pytest. A table of all legs comes
 last. Exit status: 0 when every leg that ran passed, 1 otherwise. A nightly leg that did not
 run is reported as NOT RUN, never as passed, and does not change the exit status.
 """
@@ -71,7 +71,7 @@ class LegResult:
     torch: str = "-"
     policy: str = "-"
     probe: str = "-"
-    stale_graph: str = "-"
+    sequences: str = "-"
     passed: int = 0
     failed: int = 0
     skipped: int = 0
@@ -356,21 +356,21 @@ def run_checks(path: Path, leg: matrix_data.Leg, result: LegResult, out_dir: Pat
     result.policy = policy.get("policy", "-")
     probes = data.get("probe", {}).get("backends", [])
     if probes:
-        traced = [p["backend"] for p in probes if p["traced"]]
-        if len(traced) == len(probes):
-            result.probe = "traces"
-        elif not traced:
-            result.probe = "fails"
-        else:
-            result.probe = "MIXED: traces on " + ",".join(traced)
+        kinds = {"sound guard" if p["decides_in_graph"] else "stale guard" if p["traced"] else "fails" for p in probes}
+        result.probe = (
+            kinds.pop()
+            if len(kinds) == 1
+            else "MIXED: " + ", ".join(f"{p['backend']} {'traces' if p['traced'] else 'fails'}" for p in probes)
+        )
         errors = sorted({p["error"] for p in probes if p["error"]})
         for error in errors:
             result.notes.append(f"probe error: {error}")
-    stale = data.get("stale-graph")
-    if stale and "verdict" in stale:
-        bad = [r for r in stale["runs"] if not r["matches"]]
-        result.stale_graph = f"{stale['verdict']} ({len(stale['runs']) - len(bad)}/{len(stale['runs'])} match)"
-    for name in ("policy", "probe", "stale-graph"):
+    sequences = data.get("sequences")
+    if sequences and "runs" in sequences:
+        good = [r for r in sequences["runs"] if r["matches"]]
+        breaks = sorted({r["graph_breaks"] for r in sequences["runs"] if r["graph_breaks"] is not None})
+        result.sequences = f"{len(good)}/{len(sequences['runs'])} == eager, breaks {breaks}"
+    for name in ("policy", "probe", "sequences"):
         for problem in data.get(name, {}).get("problems", []):
             result.problems.append(f"{name}: {problem}")
     if done.returncode != 0 and not result.problems:
@@ -464,7 +464,7 @@ def run_leg(data: matrix_data.Matrix, leg: matrix_data.Leg, out_dir: Path, rebui
 
 
 def print_table(results: list[LegResult]) -> None:
-    headers = ["leg", "torch", "status", "policy", "probe", "stale-graph", "passed", "failed", "skipped", "time"]
+    headers = ["leg", "torch", "status", "policy", "probe", "sequences", "passed", "failed", "skipped", "time"]
     rows = [
         [
             r.leg,
@@ -472,7 +472,7 @@ def print_table(results: list[LegResult]) -> None:
             r.status,
             r.policy,
             r.probe,
-            r.stale_graph,
+            r.sequences,
             str(r.passed),
             str(r.failed),
             str(r.skipped),
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         for leg in legs:
             say(
                 f"{leg.name:<8} torch {leg.torch:<8} policy {leg.policy:<9} traces={leg.traces_is_inference!s:<5} "
-                f"stale_graph={leg.stale_graph!s:<5} tests={leg.tests if isinstance(leg.tests, str) else 'list'}  "
+                f"breaks={leg.graph_breaks_per_forward} tests={leg.tests if isinstance(leg.tests, str) else 'list'}  "
                 f"env {env_dir(data.settings, leg)}"
             )
             say(f"         {leg.why}")

@@ -80,17 +80,6 @@ def assert_cache_unchanged(model: attn.TransformerDecoder, before: list) -> None
         assert not k1.requires_grad and k1.grad_fn is None, "cache holds autograd history"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Release-gated tests: skipped with a reason that names the release and the table row."""
-    row = compat.release_support()
-    version = compat.torch_version()
-    for item in items:
-        if "requires_is_inference_trace" in item.keywords and not row.traces_is_inference:
-            item.add_marker(pytest.mark.skip(reason=f"torch {version} cannot compile is_inference(): {row.reason}"))
-        if "requires_no_is_inference_trace" in item.keywords and row.traces_is_inference:
-            item.add_marker(pytest.mark.skip(reason=f"torch {version} compiles is_inference() (table row {row.label})"))
-
-
 @pytest.fixture
 def restore_policy() -> Iterator[None]:
     """Puts the process's cache policy and once-per-process warnings back after a test."""

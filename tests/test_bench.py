@@ -65,9 +65,7 @@ def test_json_has_every_field(result_json: dict) -> None:
     rows = {row["contender"]: row for row in result_json["rows"]}
     expected = {
         "attn-eager",
-        "attn-eager-inference",
         "attn-compiled",
-        "attn-compiled-inference",
         "attn-nocache",
         "hf-static",
         "hf-dynamic",
@@ -76,9 +74,6 @@ def test_json_has_every_field(result_json: dict) -> None:
     for name, row in rows.items():
         if name.startswith("hf-") and not transformers_available():
             assert "transformers is not installed" in row["skipped"]
-            continue
-        if name == "attn-compiled-inference" and not compat.release_support().traces_is_inference:
-            assert f"torch {compat.torch_version()} cannot compile the INFERENCE policy" in row["skipped"]
             continue
         assert row["skipped"] is None, row
         assert row["check_ok"] is True, row["check"]
@@ -96,23 +91,11 @@ def test_json_has_every_field(result_json: dict) -> None:
 
 
 def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:
-    status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-eager-inference"])
+    status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-nocache"])
     out = capsys.readouterr().out
     assert status == 0
-    assert "attn-eager-inference" in out and "identical greedy tokens (5)" in out
+    assert "attn-nocache" in out and "identical greedy tokens (5)" in out
     assert "correctness: all 2 checked contender runs agree" in out
-    assert "policy overhead, eager: INFERENCE vs FLAG" in out
-
-
-@pytest.mark.requires_no_is_inference_trace
-def test_table_says_why_compiled_inference_was_not_measured(capsys: pytest.CaptureFixture[str]) -> None:
-    status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-compiled,attn-compiled-inference"])
-    out = capsys.readouterr().out
-    assert status == 0
-    assert (
-        f"policy overhead, compiled: not measured: torch {compat.torch_version()} cannot compile the INFERENCE policy"
-        in out
-    )
 
 
 def test_wrong_contender_fails_the_check() -> None:

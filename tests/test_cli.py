@@ -43,10 +43,10 @@ def test_demo_subprocess_writes_json(tmp_path: Path) -> None:
     result = json.loads(path.read_text())
     assert result["ok"] is True and result["violations"] == []
     assert result["options"]["steps"] == 20 and result["options"]["seed"] == 3
-    assert result["policy"]["policy"] == attn.compat.release_support().default_policy.value
+    assert result["policy"]["policy"] == attn.compat.DEFAULT_POLICY.value
     assert result["environment"]["torch"] == __import__("torch").__version__
     passes = result["passes"]
-    assert len(passes) == 19  # the speed comparison times each way 3 times
+    assert len(passes) == 20  # the speed comparison times each way 3 times
     for record in passes:
         assert record["ok"] and record["used_cache"] == record["expect_cache"], record
         assert len(record["fill_before"]) == 2  # one per layer
@@ -124,9 +124,9 @@ def test_info(capsys: pytest.CaptureFixture) -> None:
 def test_info_probe(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["info", "--probe"]) == 0
     out = capsys.readouterr().out
-    traced = attn.compat.release_support().traces_is_inference
+    decides = attn.compat.release_support().decides_in_graph
     assert "probe (fullgraph):" in out and "agrees" in out and "DISAGREES" not in out
-    assert ("probe (fullgraph):   yes" in out) == traced
+    assert ("probe (fullgraph):   yes" in out) == decides
 
 
 def test_bench_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

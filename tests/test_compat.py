@@ -56,24 +56,25 @@ def test_two_ten_is_newer_than_two_eight() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "traces", "policy"),
+    ("version", "traces"),
     [
-        ("2.4.1", False, CachePolicy.FLAG),
-        ("2.5.1", False, CachePolicy.FLAG),
-        ("2.6.0", True, CachePolicy.FLAG),
-        ("2.6.0a0+git1234", True, CachePolicy.FLAG),
-        ("2.7.1", True, CachePolicy.FLAG),
-        ("2.8.0", False, CachePolicy.FLAG),
-        ("2.10.0", False, CachePolicy.FLAG),
-        ("2.13.0+cpu", False, CachePolicy.FLAG),
-        ("2.16.0.dev20261101", False, CachePolicy.FLAG),
-        ("3.0.0", False, CachePolicy.FLAG),
+        ("2.4.1", False),
+        ("2.5.1", False),
+        ("2.6.0", True),
+        ("2.6.0a0+git1234", True),
+        ("2.7.1", True),
+        ("2.8.0", False),
+        ("2.10.0", False),
+        ("2.13.0+cpu", False),
+        ("2.16.0.dev20261101", False),
+        ("3.0.0", False),
     ],
 )
-def test_release_table(version: str, traces: bool, policy: CachePolicy) -> None:
+def test_release_table(version: str, traces: bool) -> None:
     row = release_support(version)
     assert row.traces_is_inference is traces
-    assert row.default_policy is policy
+    # Where it traces (2.6, 2.7) the guard is unsound: no release decides inside the graph.
+    assert not row.decides_in_graph and row.graph_breaks_per_forward == 1
     assert row.reason
 
 
@@ -82,17 +83,14 @@ def test_release_table_is_contiguous_and_total() -> None:
     assert rows[0].first == (0, 0, 0) and rows[-1].last is None
     for earlier, later in itertools.pairwise(rows):
         assert earlier.last == later.first
-    # INFERENCE may be a default only where compile can trace is_inference().
-    assert all(r.traces_is_inference for r in rows if r.default_policy is CachePolicy.INFERENCE)
+    assert all(r.traces_is_inference for r in rows if r.guards_is_inference)  # a guard needs a trace
 
 
-def test_default_policy_follows_table(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+def test_default_policy_is_inference_on_every_release(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
     monkeypatch.delenv(compat.ENV_VAR, raising=False)
     decision = compat.set_cache_policy(None)
-    row = release_support()
     assert decision.source == "default"
-    assert decision.policy is row.default_policy
-    assert decision.reason == row.reason
+    assert decision.policy is CachePolicy.INFERENCE
     assert decision.torch_version == parse_torch_version(torch.__version__)
 
 
@@ -122,39 +120,17 @@ def test_override_beats_environment(monkeypatch: pytest.MonkeyPatch, restore_pol
     assert compat.cache_policy().policy is CachePolicy.FLAG  # a failed call changes nothing
 
 
-def test_flag_default_warns_once_at_cache_setup(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+@pytest.mark.parametrize("policy_value", [None, "flag", "inference"])
+def test_setting_up_caches_never_warns(
+    monkeypatch: pytest.MonkeyPatch, restore_policy: None, policy_value: str | None
+) -> None:
     monkeypatch.delenv(compat.ENV_VAR, raising=False)
-    monkeypatch.setattr(
-        compat, "_decision", compat.PolicyDecision(CachePolicy.FLAG, "default", "why", compat.torch_version())
-    )
-    compat._reset_warnings()
-    model = tiny_model()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.setup_caches(1, 8)
-        model.setup_caches(1, 8)
-        tiny_model(seed=1).setup_caches(2, 8)
-    messages = [str(w.message) for w in caught if issubclass(w.category, CompatWarning)]
-    assert len(messages) == 1, messages
-    assert torch.__version__.split("+")[0] in messages[0]
-    assert "cached_inference" in messages[0] and "why" in messages[0]
-
-
-def test_no_setup_warning_when_policy_is_chosen(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
-    monkeypatch.setenv(compat.ENV_VAR, "flag")
-    compat.set_cache_policy(None)
+    compat.set_cache_policy(policy_value)
     compat._reset_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiny_model().setup_caches(1, 8)
     assert not [w for w in caught if issubclass(w.category, CompatWarning)]
-
-
-@pytest.mark.requires_no_is_inference_trace
-def test_forcing_inference_where_it_cannot_compile_warns(restore_policy: None) -> None:
-    compat._reset_warnings()
-    with pytest.warns(CompatWarning, match="graph-break at every attention layer"):
-        compat.set_cache_policy("inference")
 
 
 def test_flag_policy_warns_once_when_inference_mode_is_ignored(restore_policy: None) -> None:
@@ -188,7 +164,8 @@ def test_probe_agrees_with_release_table(backend: str) -> None:
     result = compat.probe_is_inference_trace(backend)
     row = release_support()
     assert result.traced is row.traces_is_inference, result.error
-    assert (result.error is None) is result.traced
+    assert result.decides_in_graph is row.decides_in_graph, result.error
+    assert (result.error is None) is result.decides_in_graph
 
 
 def test_report_names_version_policy_and_reason() -> None:

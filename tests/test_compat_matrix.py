@@ -38,16 +38,20 @@ FIXED = [leg for leg in MATRIX.legs if leg.fixed_version]
 FLOATING = [leg for leg in MATRIX.legs if leg.floating]
 
 
+def _leg_claims(leg) -> tuple:
+    return (leg.policy, leg.traces_is_inference, leg.decides_in_graph, leg.graph_breaks_per_forward)
+
+
+def _row_claims(row) -> tuple:
+    return (compat.DEFAULT_POLICY.value, row.traces_is_inference, row.decides_in_graph, row.graph_breaks_per_forward)
+
+
 @pytest.mark.parametrize("leg", FIXED, ids=[leg.name for leg in FIXED])
 def test_fixed_leg_agrees_with_release_table(leg) -> None:
     row = release_support(leg.fixed_version)
-    assert row.default_policy.value == leg.policy, (
-        f"compat/matrix.toml leg {leg.name} expects policy {leg.policy!r}, but RELEASES row "
-        f"{row.label!r} gives {row.default_policy.value!r}"
-    )
-    assert row.traces_is_inference == leg.traces_is_inference, (
-        f"compat/matrix.toml leg {leg.name} expects traces_is_inference={leg.traces_is_inference}, but "
-        f"RELEASES row {row.label!r} says {row.traces_is_inference}"
+    assert _leg_claims(leg) == _row_claims(row), (
+        f"compat/matrix.toml leg {leg.name} claims (policy, traces, decides in graph, graph breaks) "
+        f"{_leg_claims(leg)}, but RELEASES row {row.label!r} gives {_row_claims(row)}"
     )
 
 
@@ -57,8 +61,7 @@ def test_floating_leg_agrees_with_open_ended_row(leg) -> None:
     # open-ended row covers them.
     open_ended = [row for row in RELEASES if row.last is None]
     assert len(open_ended) == 1
-    row = open_ended[0]
-    assert (row.default_policy.value, row.traces_is_inference) == (leg.policy, leg.traces_is_inference)
+    assert _leg_claims(leg) == _row_claims(open_ended[0])
 
 
 @pytest.mark.parametrize("row", RELEASES, ids=[row.label for row in RELEASES])
@@ -69,17 +72,8 @@ def test_every_release_row_is_proven_on_a_leg(row) -> None:
     )
 
 
-def test_stale_graph_check_runs_wherever_tracing_succeeds() -> None:
-    # The stale-graph check decides the default policy of a release that can trace
-    # is_inference(); elsewhere compiled code never sees the branch.
-    for leg in MATRIX.legs:
-        assert leg.stale_graph == leg.traces_is_inference, leg.name
-
-
-def test_policy_inference_only_where_tracing_succeeds() -> None:
-    for leg in MATRIX.legs:
-        if leg.policy == "inference":
-            assert leg.traces_is_inference, f"leg {leg.name}: INFERENCE by default needs is_inference() to trace"
+def test_the_default_policy_is_the_same_on_every_leg() -> None:
+    assert {leg.policy for leg in MATRIX.legs} == {compat.DEFAULT_POLICY.value}
 
 
 def test_matrix_names_the_required_legs() -> None:
@@ -88,7 +82,7 @@ def test_matrix_names_the_required_legs() -> None:
 
 
 def test_matrix_rejects_a_bad_policy(tmp_path: Path) -> None:
-    text = (REPO / "compat" / "matrix.toml").read_text().replace('policy = "flag"', 'policy = "flagg"', 1)
+    text = (REPO / "compat" / "matrix.toml").read_text().replace('policy = "inference"', 'policy = "flagg"', 1)
     bad = tmp_path / "matrix.toml"
     bad.write_text(text)
     with pytest.raises(ValueError, match="policy is 'flagg'"):

@@ -81,9 +81,12 @@ def test_training_never_touches_the_cache(task: AdditionTask, trained: dict, pol
 def test_eval_pattern_uses_the_cache_only_to_generate(task: AdditionTask, trained: dict, policy: CachePolicy) -> None:
     model, never_cached = fresh(task, trained)
     result = eval_pattern(model, task, task.eval_problems)
-    assert [r.expect_cache for r in result.records] == [True, False, True]
-    assert [r.used_cache for r in result.records] == [True, False, True]
+    # generate, no_grad scoring, generate again, a plain torch.inference_mode() decode loop
+    by_default = policy is CachePolicy.INFERENCE
+    assert [r.expect_cache for r in result.records] == [True, False, True, by_default]
+    assert [r.used_cache for r in result.records] == [True, False, True, by_default]
     assert all(r.ok for r in result.records)
+    assert result.loop_matches_generate
     assert result.records[1].fill_before == result.records[1].fill_after == result.records[0].fill_after
     assert result.same_completions and result.generation_accuracy == result.generation_again_accuracy
     # the scores the pattern compared equal a deep copy that never had caches, bit for bit
@@ -206,6 +209,7 @@ def test_patterns_compiled(
         evaluated = eval_pattern(compiled, task, task.eval_problems)
         ppo = lora_ppo_pattern(compiled, task, task.eval_problems, steps=1, seed=2)
     records = evaluated.records + ppo.records
-    assert [r.used_cache for r in records] == [True, False, True, True, False, False]
+    assert [r.used_cache for r in records] == [True, False, True, forced == "inference", True, False, False]
+    assert evaluated.loop_matches_generate
     assert all(r.ok for r in records), [r.problem() for r in records]
     assert evaluated.scores_match and ppo.logprobs_match

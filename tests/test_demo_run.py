@@ -27,10 +27,10 @@ def test_run_demo_reports_every_pass(capsys: pytest.CaptureFixture) -> None:
     lines: list[str] = []
     result = run_demo(DemoOptions(steps=5, batch_size=8, speed_tokens=8), say=lines.append)
     assert result.ok, result.violations()
-    assert len(result.records) == 19 and all(r.ok for r in result.records)
+    assert len(result.records) == 20 and all(r.ok for r in result.records)
     assert result.caches_still_setup
     text = "\n".join(lines) + "\n" + table(result) + "\n" + summary(result)
-    for expected in ("1. train", "2. eval", "3. PPO", "4. LoRA-PPO", "VIOLATION", "ok: all 19 blocks"):
+    for expected in ("1. train", "2. eval", "3. PPO", "4. LoRA-PPO", "VIOLATION", "ok: all 20 blocks"):
         assert (expected in text) == (expected != "VIOLATION"), expected
     assert "training [" in capsys.readouterr().err
     json.dumps(result.to_dict())  # JSON-serialisable as it is
@@ -61,8 +61,8 @@ def test_demo_fails_loudly_when_generation_skips_the_cache(
 def test_demo_fails_loudly_when_scoring_writes_the_cache(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """A scoring pass under plain inference mode, without disable_kv_cache, writes the cache
-    under the INFERENCE policy (the bug this library exists to prevent): the demo must catch it."""
+    """A scoring pass under plain inference mode (not no_grad) writes the cache under the
+    default policy (the bug this library exists to prevent): the demo must catch it."""
     loglikelihood_task = patterns.loglikelihood_task
 
     def forgetful(model: torch.nn.Module, task: object, problems: list) -> tuple[float, torch.Tensor]:
@@ -73,7 +73,7 @@ def test_demo_fails_loudly_when_scoring_writes_the_cache(
     monkeypatch.setattr(patterns, "loglikelihood_task", forgetful)
     assert cli.main(["demo", "--steps", "3", "--policy", "inference"]) == 1
     out = capsys.readouterr().out
-    assert "eval: log-likelihood task: inference_mode + disable_kv_cache: should have left the cache untouched" in out
+    assert "eval: log-likelihood task: torch.no_grad(): should have left the cache untouched" in out
     assert "fill positions [10, 10] -> [21, 21]" in out
 
 

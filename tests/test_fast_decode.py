@@ -7,6 +7,7 @@ tests are eager or fail before compiling.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +18,6 @@ from hypothesis import strategies as st
 
 import attn
 from attn import compat
-from attn.compat import CachePolicy
 from attn.fast_decode import DecodeCompiled, compile_for_decode, decode_attention, rowwise_linear
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
@@ -30,14 +30,11 @@ NEW_TOKENS = 10
 @pytest.fixture(scope="module")
 def fast() -> Iterator[DecodeCompiled]:
     """A tiny model with caches set up once, behind a compiled decode step (compiled here)."""
-    before = compat._decision
-    compat.set_cache_policy(CachePolicy.FLAG)
     model = tiny_model(11)
     model.setup_caches(2, 32)
     wrapped = compile_for_decode(model)
     attn.generate(wrapped, PROMPTS, max_new_tokens=NEW_TOKENS)  # compiles the decode step
     yield wrapped
-    compat._decision = before
 
 
 def test_rowwise_linear_equals_linear() -> None:
@@ -163,16 +160,32 @@ def test_overflow_gets_the_eager_error_and_leaves_the_cache_unchanged(fast: Deco
     assert fast.stats.graphs == 1  # the step generate compiled, reused
 
 
-@pytest.mark.requires_no_is_inference_trace
-def test_inference_policy_is_refused_where_it_cannot_compile(fast: DecodeCompiled, restore_policy: None) -> None:
-    import warnings
-
+@pytest.mark.parametrize("policy_value", [None, "flag"])
+def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
+    fast: DecodeCompiled, policy_value: str | None, restore_policy: None
+) -> None:
+    """The step decides in eager code: inference mode drives it as it drives the model, with
+    generate's tokens; under FLAG inference mode alone leaves the cache alone (eager's rule)."""
+    compat.set_cache_policy(policy_value)
+    model = fast.model
+    expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=6).generated
+    model.reset_caches()
+    graphs = fast.stats.graphs
+    tokens = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", attn.CompatWarning)
-        compat.set_cache_policy(CachePolicy.INFERENCE)
-    with pytest.raises(RuntimeError, match="needs the FLAG cache policy"):
-        attn.generate(fast, PROMPTS, max_new_tokens=3)
-    assert fast.stats.graphs == 1
+        with torch.inference_mode():
+            logits = fast(torch.tensor(PROMPTS[:1] * 2))
+            for _ in range(6):
+                token = logits[:, -1:].argmax(-1)  # (2, 1)
+                tokens.append(token)
+                logits = fast(token)
+    if policy_value is None:
+        assert torch.equal(torch.cat(tokens, 1), expected)
+        assert model.kv_caches()[0].size == len(PROMPTS[0]) + 6
+        assert fast.stats.graphs == graphs + 1  # no positions or masks passed: one more step, compiled once
+    else:
+        assert model.kv_caches()[0].size == 0
 
 
 def test_bad_arguments() -> None:

@@ -174,3 +174,45 @@ def test_existing_cache_too_small_is_refused_before_reset() -> None:
     with pytest.raises(ValueError, match=r"batch_size 1 and max_seq_len >= 4, but the model's cache has batch_size 2"):
         generate(model, [[1, 2]], max_new_tokens=2)
     assert_cache_unchanged(model, before)
+
+
+class HostSyncCounter:
+    """Counts host reads of tensor values by wrapping the Tensor methods that make them."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor: torch.Tensor, *args: object, _original=original, **kwargs: object) -> object:
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize(("with_stop_token", "per_step"), [(True, 1), (False, 0)])
+def test_a_decode_step_makes_at_most_one_host_sync(
+    monkeypatch: pytest.MonkeyPatch, with_stop_token: bool, per_step: int
+) -> None:
+    """One read a step, the stop check, and none without stop tokens; the capacity and the
+    token ids are checked once per generate, not per step or per layer (6 layers here)."""
+    model = tiny_model(12, num_layers=6)
+    model.setup_caches(2, 64)
+    counter = HostSyncCounter(monkeypatch)
+    with torch.inference_mode():
+        model(torch.randint(0, 61, (2, 3)))
+    # The counter sees a direct prefill's reads: token ids, the fill position (capacity), and
+    # the cache's last write (the scoring-after-generation check of a multi-token pass).
+    assert counter.count == 3, counter.count
+    produced = attn.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=24).generated.unique().tolist()
+    stop_tokens = [min(set(range(61)) - set(produced))] if with_stop_token else None  # one never produced
+    counts = []
+    for new_tokens in (8, 24):
+        counter.count = 0
+        out = attn.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=new_tokens, stop_tokens=stop_tokens)
+        assert out.generated_mask.all()  # no row stopped early: every step ran
+        counts.append(counter.count)
+    assert (counts[1] - counts[0]) == per_step * 16, counts

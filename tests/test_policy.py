@@ -7,7 +7,9 @@ position and buffers, not against what the code meant to do.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -33,11 +35,11 @@ def expected_outcome(policy: CachePolicy, kind: str, flag: str) -> str:
     """The contract, restated independently of the implementation: 'cache', 'none' or 'error'."""
     if flag == "flag on" and kind == "grad":
         return "error"
-    if flag == "disabled":
+    if flag == "disabled" or kind == "grad":
         return "none"
-    if policy is CachePolicy.INFERENCE:
-        return "cache" if kind == "inference_mode" else "none"
-    return "cache" if flag == "flag on" else "none"
+    if flag == "flag on":
+        return "cache"
+    return "cache" if policy is CachePolicy.INFERENCE and kind == "inference_mode" else "none"
 
 
 @pytest.mark.parametrize(("kind", "flag"), list(itertools.product(PASSES, FLAGS)))
@@ -106,3 +108,72 @@ def test_no_caches_means_nothing_is_enabled(policy: CachePolicy) -> None:
     with torch.inference_mode():
         assert not model.caches_are_enabled()
         model(torch.randint(0, 61, (1, 4)))
+
+
+def test_the_readme_loop_uses_the_cache_by_default(restore_policy: None) -> None:
+    """With no policy set, plain torch.inference_mode() decodes with the cache: the tokens of
+    a loop that recomputes the whole sequence every step, and a cache that holds it all."""
+    attn.compat.set_cache_policy(None)
+    model = tiny_model(9)
+    prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = prompt.clone()
+    with torch.no_grad():
+        for _ in range(10):
+            reference = torch.cat((reference, model(reference)[:, -1:].argmax(-1)), 1)
+    model.setup_caches(batch_size=1, max_seq_len=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager code doing the right thing gets no warning
+        with torch.inference_mode():
+            logits = model(prompt)
+            generated = []
+            for _ in range(10):
+                token = logits[:, -1:].argmax(-1)
+                generated.append(int(token))
+                logits = model(token)
+    assert generated == reference[0, 6:].tolist()
+    assert model.kv_caches()[0].size == 16
+
+
+def _compat_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if issubclass(w.category, attn.CompatWarning)]
+
+
+def test_scoring_under_inference_mode_after_a_generation_warns_once_at_the_users_line(
+    restore_policy: None,
+) -> None:
+    attn.compat.set_cache_policy(None)
+    attn.compat._reset_warnings()
+    model = tiny_model(10)
+    model.setup_caches(2, 32)
+    batch = torch.randint(0, 61, (2, 5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.inference_mode():
+            logits = model(batch[:, :3])  # a prefill: no warning
+            logits = model(batch[:, 3:])  # a second prefill chunk: no warning
+            logits = model(logits[:, -1:].argmax(-1))  # a decode step: no warning
+        assert not _compat_warnings(caught)
+        with torch.inference_mode():
+            model(batch)  # scoring by mistake: appended to the 6 tokens above
+            model(batch)  # once per process
+        line = inspect.currentframe().f_lineno - 2
+    notes = _compat_warnings(caught)
+    assert len(notes) == 1
+    message = str(notes[0].message)
+    assert "5 tokens per row" in message and "already holds 6 tokens" in message
+    assert "torch.no_grad()" in message and "disable_kv_cache" in message and "reset_caches()" in message
+    assert (notes[0].filename, notes[0].lineno) == (__file__, line)  # the first model(batch) above
+    assert model.kv_caches()[0].size == 16  # it still did what inference mode means
+
+
+def test_generate_gives_no_warning(restore_policy: None) -> None:
+    attn.compat.set_cache_policy(None)
+    attn.compat._reset_warnings()
+    model = tiny_model(11)
+    model.setup_caches(2, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6)
+        attn.generate(model, [[1, 2, 3, 4, 5], [4, 5]], max_new_tokens=6)  # again, on the filled cache
+        with torch.no_grad():
+            model(torch.randint(0, 61, (2, 4)))

@@ -190,7 +190,8 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 uses = (
                     self.model.caches_are_setup()
-                    and ((inference and not grad) if self.policy is CachePolicy.INFERENCE else flag)
+                    and not grad
+                    and (flag or (self.policy is CachePolicy.INFERENCE and inference))
                     and stack[-1] not in ("kv_cache_mode(False)", "disable_kv_cache")
                 )
                 if uses and self._fill() + 1 > self.capacity:

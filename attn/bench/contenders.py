@@ -329,7 +329,7 @@ class Contender:
 class AttnEager(Contender):
     """``attn.generate`` on the eager model, under a given cache policy."""
 
-    def __init__(self, name: str, policy: CachePolicy, description: str, *, memory_probe: bool = True) -> None:
+    def __init__(self, name: str, policy: CachePolicy | None, description: str, *, memory_probe: bool = True) -> None:
         self.name = name
         self.policy = policy
         self.description = description
@@ -349,16 +349,10 @@ class AttnEager(Contender):
 class AttnCompiled(AttnEager):
     """``attn.generate`` through ``attn.compile_for_decode``: eager prefill, compiled decode step."""
 
-    def __init__(self, name: str, policy: CachePolicy, description: str, *, rewrite: bool = True) -> None:
+    def __init__(self, name: str, policy: CachePolicy | None, description: str, *, rewrite: bool = True) -> None:
         super().__init__(name, policy, description)
         self.rewrite = rewrite
         self.fast: DecodeCompiled | None = None
-
-    def skip_reason(self, ctx: CellContext) -> str | None:
-        if self.policy is CachePolicy.INFERENCE and not compat.release_support().traces_is_inference:
-            row = compat.release_support()
-            return f"torch {compat.torch_version()} cannot compile the INFERENCE policy ({row.reason})"
-        return None
 
     def setup(self, ctx: CellContext) -> None:
         self.fast = compile_for_decode(ctx.model, max_rows=ctx.max_rows, rewrite_linears=self.rewrite)
@@ -464,30 +458,17 @@ class HFGenerate(Contender):
 
 
 CONTENDERS: dict[str, Any] = {
-    "attn-eager": lambda: AttnEager(
-        "attn-eager", CachePolicy.FLAG, "attn.generate, eager, FLAG cache policy (the default)"
-    ),
-    "attn-eager-inference": lambda: AttnEager(
-        "attn-eager-inference",
-        CachePolicy.INFERENCE,
-        "attn.generate, eager, INFERENCE cache policy (memory: same as attn-eager)",
-        memory_probe=False,
-    ),
+    "attn-eager": lambda: AttnEager("attn-eager", None, "attn.generate, eager, the default cache policy"),
     "attn-compiled": lambda: AttnCompiled(
         "attn-compiled",
-        CachePolicy.FLAG,
-        "attn.compile_for_decode: eager prefill, inductor decode step with row-wise linears, FLAG policy",
+        None,
+        "attn.compile_for_decode: eager prefill, inductor decode step with row-wise linears",
     ),
     "attn-compiled-plain": lambda: AttnCompiled(
         "attn-compiled-plain",
-        CachePolicy.FLAG,
-        "decode step compiled with stock inductor (no linear rewrite), FLAG policy",
+        None,
+        "decode step compiled with stock inductor (no linear rewrite)",
         rewrite=False,
-    ),
-    "attn-compiled-inference": lambda: AttnCompiled(
-        "attn-compiled-inference",
-        CachePolicy.INFERENCE,
-        "attn.compile_for_decode under the INFERENCE policy (only where dynamo traces is_inference)",
     ),
     "attn-nocache": AttnNoCache,
     "hf-static": lambda: HFGenerate("static"),
@@ -497,9 +478,7 @@ CONTENDERS: dict[str, Any] = {
 
 DEFAULT_CONTENDERS = (
     "attn-eager",
-    "attn-eager-inference",
     "attn-compiled",
-    "attn-compiled-inference",  # skipped, with the reason, where dynamo cannot trace is_inference
     "attn-nocache",
     "hf-static",
     "hf-dynamic",

@@ -132,18 +132,6 @@ def _load(value: object) -> str:
 
 def _cell_notes(info: CellInfo, rows: dict[str, Row]) -> list[str]:
     notes = []
-    for kind, flag_name in (("eager", "attn-eager"), ("compiled", "attn-compiled")):
-        flag, inference = rows.get(flag_name), rows.get(f"{flag_name}-inference")
-        if not flag or not inference:
-            continue
-        if inference.skipped:
-            notes.append(f"  policy overhead, {kind}: not measured: {inference.skipped}")
-        elif flag.decode_tokens_per_s and inference.decode_tokens_per_s:
-            change = inference.decode_tokens_per_s.median / flag.decode_tokens_per_s.median - 1
-            spread = max((s.max - s.min) / s.median for s in (flag.decode_tokens_per_s, inference.decode_tokens_per_s))
-            notes.append(
-                f"  policy overhead, {kind}: INFERENCE vs FLAG {change:+.1%} (run-to-run spread up to {spread:.0%})"
-            )
     nocache = rows.get("attn-nocache")
     if nocache and nocache.latency_ms:
         first, last = nocache.latency_ms[0], nocache.latency_ms[-1]

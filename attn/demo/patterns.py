@@ -8,8 +8,9 @@ one) with its caches set up, and wraps each kind of pass in ``watch``: the resul
 whether the pass used the cache, read from the caches' fill positions and buffers. The
 patterns are written the way the README teaches them:
 
-- generation: ``attn.generate`` (the cache is used, under every policy);
-- scoring without gradients: ``torch.inference_mode()`` plus ``attn.disable_kv_cache``;
+- generation: ``attn.generate``, or a hand-written loop under plain ``torch.inference_mode()``
+  (the cache is used by default);
+- scoring without gradients: ``torch.no_grad()`` (the cache is left alone);
 - PPO's reference logits: ``torch.no_grad()`` with the adapters off;
 - training: plain grad-enabled passes.
 
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn.context import disable_kv_cache
+from attn import compat
+from attn.compat import CachePolicy
 from attn.decoder import TransformerDecoder
 from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import IGNORE_INDEX, AdditionTask, Problem
@@ -176,17 +178,16 @@ def candidate_scores(
 def loglikelihood_task(model: nn.Module, task: AdditionTask, problems: list[Problem]) -> tuple[float, torch.Tensor]:
     """The log-likelihood task, run as an eval harness should on a model with caches set up.
 
-    Scoring runs under ``torch.inference_mode()`` inside ``attn.disable_kv_cache``: under
-    every policy, no pass touches the cache (under the ``INFERENCE`` policy, inference mode
-    alone *would* write it, and score against stale keys).
+    Scoring runs under ``torch.no_grad()``: under every policy, no such pass touches the
+    cache (under plain ``torch.inference_mode()`` it would append to the generation's keys
+    and score against them; ``attn`` warns when that happens).
 
     Returns:
         ``(accuracy, scores)``: the share of problems whose right answer scored highest, and
-        the (n, k) scores (ordinary tensors, cloned out of inference mode).
+        the (n, k) scores.
     """
-    with torch.inference_mode(), disable_kv_cache(base_model(model)):
+    with torch.no_grad():
         scores, right = candidate_scores(model, task, problems)
-    scores = scores.clone()
     accuracy = (scores.argmax(-1) == right).float().mean().item()
     return accuracy, scores
 
@@ -202,6 +203,7 @@ class EvalResult:
     loglikelihood_accuracy: float
     generation_again_accuracy: float
     same_completions: bool
+    loop_matches_generate: bool
     scores_max_abs_diff: float
     scores_bit_identical: bool
     examples: list[str]
@@ -217,12 +219,36 @@ class EvalResult:
             "loglikelihood_accuracy": self.loglikelihood_accuracy,
             "generation_again_accuracy": self.generation_again_accuracy,
             "same_completions": self.same_completions,
+            "inference_mode_loop_matches_generate": self.loop_matches_generate,
             "scores_max_abs_diff_vs_never_cached_copy": self.scores_max_abs_diff,
             "scores_bit_identical_to_never_cached_copy": self.scores_bit_identical,
             "scores_match": self.scores_match,
             "examples": self.examples,
             "passes": [r.to_dict() for r in self.records],
         }
+
+
+def inference_mode_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy tokens from a hand-written loop under plain ``torch.inference_mode()``.
+
+    No flag and no ``attn`` call: the passes use the cache because they run in inference
+    mode (the default policy). Prompts are all one length, so no padding or mask is needed.
+
+    Args:
+        prompts: (b, P) token ids.
+
+    Returns:
+        (b, N) the generated tokens.
+    """
+    tokens = []
+    with torch.inference_mode():
+        logits = model(prompts)  # prefill: writes the cache
+        for step in range(new_tokens):
+            token = logits[:, -1:].argmax(-1)  # (b, 1)
+            tokens.append(token)
+            if step < new_tokens - 1:
+                logits = model(token)  # decode: one token, attends to the cache
+    return torch.cat(tokens, 1).clone()  # (b, N)
 
 
 def never_cached_copy(model: nn.Module) -> TransformerDecoder:
@@ -251,13 +277,7 @@ def eval_pattern(model: nn.Module, task: AdditionTask, problems: list[Problem]) 
     base.reset_caches()
     with watch(model, records, pattern="eval", kind="generation task: attn.generate", expect_cache=True):
         accuracy, completions = generation_task(model, task, problems)
-    with watch(
-        model,
-        records,
-        pattern="eval",
-        kind="log-likelihood task: inference_mode + disable_kv_cache",
-        expect_cache=False,
-    ):
+    with watch(model, records, pattern="eval", kind="log-likelihood task: torch.no_grad()", expect_cache=False):
         loglik_accuracy, scores = loglikelihood_task(model, task, problems)
     reference = never_cached_copy(model)
     with torch.inference_mode():
@@ -266,12 +286,26 @@ def eval_pattern(model: nn.Module, task: AdditionTask, problems: list[Problem]) 
     base.reset_caches()
     with watch(model, records, pattern="eval", kind="generation task again: attn.generate", expect_cache=True):
         again, completions_again = generation_task(model, task, problems)
+    prompts = torch.tensor([task.prompt_ids(p) for p in problems])  # (n, P): one length
+    base.reset_caches()
+    by_default = compat.cache_policy().policy is CachePolicy.INFERENCE  # not under ATTN_CACHE_POLICY=flag
+    with watch(
+        model,
+        records,
+        pattern="eval",
+        kind="hand-written decode loop: plain torch.inference_mode()",
+        expect_cache=by_default,
+    ):
+        looped = inference_mode_decode(model, prompts, task.max_answer_len)
+    base.reset_caches()
+    generated = generate(model, prompts, max_new_tokens=task.max_answer_len).generated
     examples = [f"{task.prompt_text(p)}{c}" for p, c in zip(problems[:4], completions[:4], strict=True)]
     return EvalResult(
         generation_accuracy=accuracy,
         loglikelihood_accuracy=loglik_accuracy,
         generation_again_accuracy=again,
         same_completions=completions == completions_again,
+        loop_matches_generate=bool(torch.equal(looped, generated)) or not by_default,
         scores_max_abs_diff=diff,
         scores_bit_identical=bool(torch.equal(scores, expected.clone())),
         examples=examples,

@@ -63,7 +63,9 @@ def eval_lines(result: EvalResult, task: AdditionTask) -> str:
             f"({task.num_candidates} candidates) {_percent(result.loglikelihood_accuracy)} | generation again "
             f"{_percent(result.generation_again_accuracy)}"
             + (", same completions" if result.same_completions else ", DIFFERENT completions"),
-            f"   log-likelihood scores vs a copy of the model that never had a cache: max |diff| "
+            "   a hand-written greedy loop under plain torch.inference_mode() used the cache: tokens "
+            + ("== attn.generate's" if result.loop_matches_generate else "DIFFERENT from attn.generate's"),
+            f"   log-likelihood scores (torch.no_grad()) vs a copy of the model that never had a cache: max |diff| "
             f"{result.scores_max_abs_diff:.3g} ({identical if result.scores_match else 'DIFFERENT'})",
             f"   e.g. {', '.join(result.examples)}",
         ]

@@ -117,6 +117,8 @@ class DemoResult:
             problems.append(
                 "eval: the generation task gave different completions before and after the log-likelihood task"
             )
+        if not self.eval.loop_matches_generate:
+            problems.append("eval: a torch.inference_mode() decode loop gave other tokens than attn.generate")
         for result in (self.ppo, self.lora_ppo):
             if not result.logprobs_match:
                 problems.append(

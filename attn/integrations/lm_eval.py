@@ -4,13 +4,14 @@ Shapes: b = batch, s = sequence, n = scored tokens of one row, v = vocab.
 
 How each request type treats the KV-cache:
 
-- ``generate_until`` runs ``attn.generate``, which works under ``attn.cached_inference``:
-  it uses the cache under every policy and torch release, eager or compiled. Without caches
+- ``generate_until`` runs ``attn.generate``, which works under ``attn.cached_inference``
+  (inference mode plus the explicit flag): it uses the cache, eager or compiled. Without caches
   on the model, each batch gets a cache of its own size, torn down after; with caches the
   user set up, batches are sized to them (short batches are filled with copies of a row).
 - ``loglikelihood`` and ``loglikelihood_rolling`` run one uncached forward per batch, under
-  ``torch.inference_mode()`` inside ``attn.disable_kv_cache(model)``: they never read or
-  write the cache, whatever ran before (a generation task first, a cache the user set up).
+  ``torch.inference_mode()`` (fast: no version counters) inside
+  ``attn.disable_kv_cache(model)``, since plain inference mode would use the cache: they
+  never read or write it, whatever ran before (a generation task first, a cache the user set up).
   Left-padded batches use ``attn.padded_causal_mask`` and ``attn.padding_positions``.
 
 Example::
