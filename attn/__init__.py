@@ -1,7 +1,8 @@
-"""attn: attention whose KV-cache follows the kind of forward pass.
+"""attn: a decoder whose KV-cache follows the kind of forward pass.
 
-Generation uses the cache; scoring without gradients and training with gradients leave it
-untouched, with no work from the user. See README.md for the policy by torch release.
+Passes under ``torch.inference_mode()`` use the cache; ``torch.no_grad()`` scoring and
+training with gradients leave it untouched, with no work from the user
+(``attn.policy.uses_cache`` is the rule). See README.md.
 """
 
 from attn import compat
@@ -10,12 +11,21 @@ from attn.checkpoint import load_pretrained
 from attn.compat import CachePolicy, CompatWarning, cache_policy
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
-from attn.fast_decode import compile_for_decode
 from attn.generation import GenerationOutput, generate
 from attn.kv_cache import KVCache
 from attn.masks import padded_causal_mask, padding_positions
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``attn.compile_for_decode`` loads the CPU fast path (and inductor) when first asked for."""
+    if name == "compile_for_decode":
+        from attn.fast_decode import compile_for_decode
+
+        return compile_for_decode
+    raise AttributeError(f"module 'attn' has no attribute {name!r}")
+
 
 __all__ = [
     "CachePolicy",

@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.dtypes import dtype_from_name, long_name
 
 __all__ = [
     "CONFIG_FILE",
@@ -77,12 +78,6 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
 }
 """model_type -> the one ``architectures`` entry loadable for it."""
 
-_DTYPES: Mapping[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 
 # Per-layer tensor names: attn suffix -> Hugging Face suffix.
 _LAYER_TENSORS: Mapping[str, str] = {
@@ -228,7 +223,7 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "dtype": _DTYPE_NAMES[dtype],
+        "dtype": long_name(dtype),
     }
 
 
@@ -359,20 +354,19 @@ def _config_dtype(hf_config: Mapping[str, Any]) -> torch.dtype | None:
     name = hf_config.get("dtype", hf_config.get("torch_dtype"))
     if name is None:
         return None
-    if name not in _DTYPES:
-        raise UnsupportedConfigError(
-            f"config.json dtype {name!r} is not supported: use one of {sorted(_DTYPES)}, or "
-            "pass dtype= to load_pretrained"
-        )
-    return _DTYPES[name]
+    try:
+        return dtype_from_name(name)
+    except ValueError as error:
+        raise UnsupportedConfigError(f"config.json: {error}, or pass dtype= to load_pretrained") from None
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES):
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise ValueError(f"dtype {dtype!r} is not supported: use None (the checkpoint's own), or one of {sorted(_DTYPES)}")
+    if dtype is None:
+        return None
+    try:
+        return dtype_from_name(dtype)
+    except ValueError as error:
+        raise ValueError(f"{error}, or None (the checkpoint's own)") from None
 
 
 # ---------------------------------------------------------------------------- tensors

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from attn.context import cached_inference
-from attn.masks import padding_positions, slot_mask
+from attn.masks import left_pad, padding_positions, slot_mask
 
 __all__ = ["GenerationOutput", "generate"]
 
@@ -57,31 +57,6 @@ class GenerationOutput:
     def generated_mask(self) -> torch.Tensor:
         """(b, N) bool, True for generated tokens that count (up to and including a stop)."""
         return self.padding_mask[:, self.prompt_length :]
-
-
-def _left_pad(
-    prompts: torch.Tensor | Sequence[Sequence[int] | torch.Tensor], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(tokens, mask)``, each (b, P): prompts right-aligned, pads masked out."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
-            raise ValueError(f"a prompt tensor must be (batch, seq_len), got shape {tuple(prompts.shape)}")
-        rows = list(prompts)
-    else:
-        rows = list(prompts)
-    if not rows:
-        raise ValueError("generate needs at least one prompt, got an empty batch")
-    rows = [torch.as_tensor(row, dtype=torch.long, device=device).reshape(-1) for row in rows]
-    empty = [i for i, row in enumerate(rows) if row.numel() == 0]
-    if empty:
-        raise ValueError(f"prompts {empty} are empty; every prompt needs at least one token (e.g. a BOS id)")
-    width = max(row.numel() for row in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        tokens[i, width - row.numel() :] = row
-        mask[i, width - row.numel() :] = True
-    return tokens, mask
 
 
 def _sample(
@@ -161,7 +136,7 @@ def generate(
     config = model.config
     stops = _check_arguments(config.vocab_size, max_new_tokens, temperature, top_k, stop_tokens, pad_id)
     device = model.tok_embeddings.weight.device
-    prompt_tokens, prompt_mask = _left_pad(prompts, pad_id, device)  # each (b, P)
+    prompt_tokens, prompt_mask = left_pad(prompts, pad_id, device)  # each (b, P)
     b, P = prompt_tokens.shape
     total = P + max_new_tokens
     if prompt_tokens.min() < 0 or prompt_tokens.max() >= config.vocab_size:

@@ -9,9 +9,52 @@ to its own slot. Its output is garbage that nobody reads, but finite.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["padded_causal_mask", "padding_positions", "slot_mask"]
+__all__ = ["left_pad", "padded_causal_mask", "padding_positions", "slot_mask"]
+
+
+def left_pad(
+    rows: torch.Tensor | Sequence[Sequence[int] | torch.Tensor],
+    pad_id: int,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-aligns id sequences of any lengths into one batch.
+
+    Args:
+        rows: a (b, s) id tensor, or b sequences of ids (lists or 1-d tensors).
+        pad_id: the id put before the shorter rows.
+        device: where the batch goes (default: the CPU).
+
+    Returns:
+        ``(tokens, padding_mask)``, each (b, P) with P the longest row: long ids, and bool
+        True for real tokens.
+
+    Raises:
+        ValueError: no rows, an empty row, or a tensor that is not (b, s).
+
+    Example::
+
+        >>> left_pad([[5, 6], [7]], pad_id=0)
+        (tensor([[5, 6], [0, 7]]), tensor([[True, True], [False, True]]))
+    """
+    if isinstance(rows, torch.Tensor) and rows.dim() != 2:
+        raise ValueError(f"a tensor of rows must be (batch, seq_len), got shape {tuple(rows.shape)}")
+    rows = [torch.as_tensor(row, dtype=torch.long).reshape(-1) for row in rows]
+    if not rows:
+        raise ValueError("left_pad needs at least one row, got an empty batch")
+    empty = [i for i, row in enumerate(rows) if row.numel() == 0]
+    if empty:
+        raise ValueError(f"rows {empty} are empty; every row needs at least one token (e.g. a BOS id)")
+    width = max(row.numel() for row in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (b, P)
+    padding_mask = torch.zeros((len(rows), width), dtype=torch.bool)  # (b, P)
+    for i, row in enumerate(rows):
+        tokens[i, width - row.numel() :] = row.cpu()
+        padding_mask[i, width - row.numel() :] = True
+    return tokens.to(device), padding_mask.to(device)
 
 
 def padding_positions(padding_mask: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_dynamo_per_module() -> Iterator[None]:
+    """Each test file starts with no compiled code: dynamo keeps at most 8 graphs per code
+    object (``TransformerDecoder.forward``) for the whole process, and files that compile it
+    in other ways would otherwise use them up for the files after them."""
+    torch._dynamo.reset()
+    yield
+
+
 settings.register_profile(
     "default",
     max_examples=12,

@@ -52,7 +52,7 @@ def result_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def test_json_has_every_field(result_json: dict) -> None:
-    assert {"machine", "cells", "rows", "notes", "targets"} <= set(result_json)
+    assert {"machine", "cells", "rows", "notes"} <= set(result_json)
     assert {"torch", "cpu", "load_average_before", "load_average_after", "memory_measurement", "huge_pages"} <= set(
         result_json["machine"]
     )

@@ -133,7 +133,7 @@ def test_dtype(tmp_path: Path, stored: torch.dtype, requested: Any, expected: to
 
 
 def test_bad_dtype_argument(saved: tuple[attn.TransformerDecoder, Path]) -> None:
-    with pytest.raises(ValueError, match=r"dtype 'int8' is not supported: use None"):
+    with pytest.raises(ValueError, match=r"dtype 'int8' is not supported; use one of float32 \(fp32\).*or None"):
         load_pretrained(saved[1], dtype="int8")
 
 

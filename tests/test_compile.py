@@ -57,7 +57,7 @@ def run_all_passes(model: torch.nn.Module, tokens: torch.Tensor, steps: int = 6)
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_explicit_decisions_compile_fullgraph_once_per_kind_of_pass(backend: str, policy: CachePolicy) -> None:
     model = tiny_model(1)
     model.setup_caches(2, 32)
@@ -212,7 +212,7 @@ def test_compiled_overflow_is_refused_and_leaves_the_cache_unchanged(backend: st
     assert_cache_unchanged(model, before)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("entry", ["model", "model with positions", "cached model", "generate"])
 def test_fullgraph_entry_points_after_several_lengths(backend: str, entry: str) -> None:
     """After a second length dynamo traces the length as a symbol: the shape checks must

@@ -124,6 +124,7 @@ EagerAgainstCompiled.TestCase.settings = settings(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::attn.CompatWarning")
 class TestEagerAgainstCompiled(EagerAgainstCompiled.TestCase):
     pass

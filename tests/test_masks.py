@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from attn import padded_causal_mask, padding_positions
-from attn.masks import slot_mask
+from attn.masks import left_pad, slot_mask
 
 
 @st.composite
@@ -46,3 +47,24 @@ def test_slot_mask_over_cache_slots() -> None:
     key_valid = torch.tensor([[False, True, True, True, True]])
     got = slot_mask(key_valid, torch.tensor([3]))
     assert got.tolist() == [[[False, True, True, True, False]]]
+
+
+@given(st.lists(st.lists(st.integers(1, 99), min_size=1, max_size=6), min_size=1, max_size=4), st.integers(0, 9))
+def test_left_pad_right_aligns_every_row(rows: list[list[int]], pad_id: int) -> None:
+    tokens, padding_mask = left_pad(rows, pad_id)
+    width = max(len(row) for row in rows)
+    assert tokens.shape == padding_mask.shape == (len(rows), width)
+    for i, row in enumerate(rows):
+        assert tokens[i].tolist() == [pad_id] * (width - len(row)) + row
+        assert padding_mask[i].tolist() == [False] * (width - len(row)) + [True] * len(row)
+    same, same_mask = left_pad(tokens, pad_id)  # a tensor of rows: already aligned
+    assert torch.equal(same, tokens) and bool(same_mask.all())
+
+
+def test_left_pad_refuses_what_it_cannot_pad() -> None:
+    with pytest.raises(ValueError, match=r"rows \[1\] are empty"):
+        left_pad([[1], []], 0)
+    with pytest.raises(ValueError, match="at least one row"):
+        left_pad([], 0)
+    with pytest.raises(ValueError, match=r"must be \(batch, seq_len\), got shape \(3,\)"):
+        left_pad(torch.tensor([1, 2, 3]), 0)

@@ -26,9 +26,10 @@ import torch
 
 from attn.bench.check import Check, check_logits, check_tokens
 from attn.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS, Cell, CellContext, Contender, Generated
-from attn.bench.report import evaluate_targets, format_table, write_json, write_plot
+from attn.bench.report import compiled_summary, format_table, write_json, write_plot
 from attn.bench.run import BenchResult, BenchSpec, Row, run_benchmark
 from attn.decoder import DecoderConfig
+from attn.dtypes import DTYPES, short_name
 
 __all__ = [
     "CONFIGS",
@@ -44,7 +45,7 @@ __all__ = [
     "Row",
     "check_logits",
     "check_tokens",
-    "evaluate_targets",
+    "compiled_summary",
     "format_table",
     "main",
     "run_benchmark",
@@ -66,9 +67,9 @@ DEFAULT_CELLS = (
     ("small", "bf16", 1, 2),
     ("base", "fp32", 1, 1),
 )
-"""(config, dtype, batch, threads) of the cells with targets in issue 6."""
+"""(config, dtype, batch, threads) of the cells run by default."""
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {short_name(dtype): dtype for dtype in DTYPES}  # fp32, bf16, fp16
 
 
 def _int_list(text: str) -> list[int]:

@@ -28,6 +28,7 @@ from attn import compat
 from attn.compat import CachePolicy, CompatWarning
 from attn.context import disable_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.dtypes import short_name
 from attn.fast_decode import DecodeCompiled, compile_for_decode
 
 __all__ = [
@@ -55,7 +56,7 @@ class Cell:
 
     @property
     def dtype_name(self) -> str:
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        return short_name(self.dtype)
 
     @property
     def label(self) -> str:

@@ -1,45 +1,18 @@
-"""The benchmark's outputs: the table, the issue's targets, JSON, and the latency plot."""
+"""The benchmark's outputs: the table, a summary per cell, JSON, and the latency plot."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from attn.bench.run import BenchResult, CellInfo, Row
 
-__all__ = ["Target", "TargetResult", "evaluate_targets", "format_table", "write_json", "write_plot"]
+__all__ = ["compiled_summary", "format_table", "write_json", "write_plot"]
 
 
-@dataclass(frozen=True)
-class Target:
-    """A speed target for ``attn-compiled`` in one cell (issue 6)."""
-
-    config_name: str
-    dtype: str
-    batch_size: int
-    threads: int
-    vs_hf_static: float
-    fraction_of_limit: float | None = None
-
-
-TARGETS = (
-    Target("small", "fp32", 1, 1, 2.0, 0.8),
-    Target("small", "bf16", 1, 2, 2.0, 0.6),
-    Target("small", "fp32", 8, 1, 1.5),
-    Target("base", "fp32", 1, 1, 1.5),
-)
 MEMORY_TOLERANCE = 1.10
 """attn-compiled's decode peak RSS may exceed hf-static's (weights + cache + transformers'
-overhead) by at most 10%."""
-
-
-@dataclass(frozen=True)
-class TargetResult:
-    cell: str
-    what: str
-    measured: str
-    met: bool | None  # None: could not be evaluated
+overhead) by at most 10% before the summary flags it."""
 
 
 def _fmt_stats(row: Row) -> str:
@@ -52,7 +25,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def format_table(result: BenchResult) -> str:
-    """The human-readable report: one block per cell, then targets and notes."""
+    """The human-readable report: one block per cell, then a summary per cell and notes."""
     lines = []
     m = result.machine
     lines.append(
@@ -96,13 +69,11 @@ def format_table(result: BenchResult) -> str:
             f"  {row.contender}: {row.note}" for row in result.rows_of(info.label).values() if row.note is not None
         )
         lines.extend(_cell_notes(info, result.rows_of(info.label)))
-    targets = evaluate_targets(result)
-    if targets:
+    summary = compiled_summary(result)
+    if summary:
         lines.append("")
-        lines.append("targets (issue 6):")
-        for t in targets:
-            verdict = {True: "MET", False: "NOT MET", None: "n/a"}[t.met]
-            lines.append(f"  {t.cell:<20} {t.what:<52} {t.measured:<34} {verdict}")
+        lines.append("attn-compiled per cell:")
+        lines.extend(summary)
     failed = [r for r in result.rows if r.check_ok is False]
     lines.append("")
     if failed:
@@ -142,72 +113,41 @@ def _cell_notes(info: CellInfo, rows: dict[str, Row]) -> list[str]:
     return notes
 
 
-def evaluate_targets(result: BenchResult) -> list[TargetResult]:
-    """Checks the issue's targets against the cells that were run."""
+def compiled_summary(result: BenchResult) -> list[str]:
+    """One line per cell on ``attn-compiled``: against HF static, share of the memory-bound
+    limit (also at the fastest bandwidth sample), compiles, peak RSS, and its check."""
     out = []
     for info in result.cells:
         rows = result.rows_of(info.label)
         compiled, hf = rows.get("attn-compiled"), rows.get("hf-static")
         if compiled is None or compiled.decode_tokens_per_s is None:
             continue
-        for target in TARGETS:
-            if (target.config_name, target.dtype, target.batch_size, target.threads) != (
-                info.config_name,
-                info.dtype,
-                info.batch_size,
-                info.threads,
-            ):
-                continue
-            if compiled.vs_hf_static is None:
-                out.append(TargetResult(info.label, f">= {target.vs_hf_static}x hf-static", "no hf-static", None))
-            else:
-                out.append(
-                    TargetResult(
-                        info.label,
-                        f">= {target.vs_hf_static}x hf-static decode tok/s",
-                        f"{compiled.vs_hf_static:.2f}x",
-                        compiled.vs_hf_static >= target.vs_hf_static,
-                    )
-                )
-            if target.fraction_of_limit is not None and compiled.fraction_of_limit is not None:
-                # Against the fastest bandwidth sample too: the limit on a machine with no neighbours.
-                quiet = compiled.fraction_of_limit * info.read_bandwidth_gb_s / max(info.read_bandwidth_samples)
-                out.append(
-                    TargetResult(
-                        info.label,
-                        f">= {target.fraction_of_limit:.0%} of the memory-bound limit",
-                        f"{compiled.fraction_of_limit:.0%} ({quiet:.0%} at the fastest sample)",
-                        compiled.fraction_of_limit >= target.fraction_of_limit,
-                    )
-                )
-        if compiled.graphs is not None:
-            out.append(
-                TargetResult(
-                    info.label,
-                    "decode compiles once, no recompiles",
-                    f"{compiled.graphs} graph(s), {compiled.recompiles_during_timed_runs} during timed runs",
-                    compiled.graphs == 1 and compiled.recompiles_during_timed_runs == 0,
-                )
+        parts = []
+        if compiled.vs_hf_static is not None:
+            parts.append(f"{compiled.vs_hf_static:.2f}x hf-static")
+        if compiled.fraction_of_limit is not None:
+            # Against the fastest bandwidth sample too: the limit on a machine with no neighbours.
+            quiet = compiled.fraction_of_limit * info.read_bandwidth_gb_s / max(info.read_bandwidth_samples)
+            parts.append(
+                f"{compiled.fraction_of_limit:.0%} of the memory-bound limit ({quiet:.0%} at the fastest sample)"
             )
+        if compiled.graphs is not None:
+            recompiled = compiled.recompiles_during_timed_runs
+            flag = "" if compiled.graphs == 1 and recompiled == 0 else " RECOMPILED"
+            parts.append(f"{compiled.graphs} decode graph(s), {recompiled} during timed runs{flag}")
         if hf is not None and hf.peak_rss_mb and compiled.peak_rss_mb:
             ratio = compiled.peak_rss_mb / hf.peak_rss_mb
-            out.append(
-                TargetResult(
-                    info.label,
-                    "peak RSS <= 1.1x hf-static's (weights+cache+overhead)",
-                    f"{compiled.peak_rss_mb:.0f} / {hf.peak_rss_mb:.0f} MB = {ratio:.2f}x",
-                    ratio <= MEMORY_TOLERANCE,
-                )
-            )
+            flag = "" if ratio <= MEMORY_TOLERANCE else " (over 1.1x)"
+            parts.append(f"peak RSS {ratio:.2f}x hf-static's{flag}")
         if compiled.check_ok is not None:
-            out.append(TargetResult(info.label, "same answer as attn eager", compiled.check[:34], compiled.check_ok))
+            parts.append("same answer as attn eager" if compiled.check_ok else f"CHECK FAILED: {compiled.check}")
+        out.append(f"  {info.label:<20} " + "; ".join(parts))
     return out
 
 
 def write_json(result: BenchResult, path: str | Path) -> None:
-    """Writes everything measured (rows, cells, machine, targets) as JSON."""
+    """Writes everything measured (rows, cells, machine) as JSON."""
     data = result.to_json()
-    data["targets"] = [t.__dict__ for t in evaluate_targets(result)]
     Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 

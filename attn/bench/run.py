@@ -40,6 +40,7 @@ from attn.bench.measure import (
 )
 from attn.compat import CompatWarning
 from attn.decoder import DecoderConfig
+from attn.dtypes import dtype_from_name
 
 __all__ = ["BenchResult", "BenchSpec", "CellInfo", "Row", "run_benchmark"]
 
@@ -221,11 +222,10 @@ def _cell_to_dict(cell: Cell) -> dict[str, Any]:
 
 
 def cell_from_dict(data: dict[str, Any]) -> Cell:
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     return Cell(
         config_name=data["config_name"],
         config=DecoderConfig(**data["config"]),
-        dtype=dtypes[data["dtype"]],
+        dtype=dtype_from_name(data["dtype"]),
         batch_size=data["batch_size"],
         threads=data["threads"],
         prompt_len=data["prompt_len"],

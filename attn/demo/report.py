@@ -1,21 +1,17 @@
 """The demo's printed output: a line per step as it runs, then the table of passes.
 
 Formatting only: every number comes from the results in ``attn.demo.patterns``,
-``attn.demo.speed`` and ``attn.demo.run``.
+``attn.demo.speed`` and ``attn.demo.result``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from attn.compat import PolicyDecision
 from attn.decoder import TransformerDecoder
 from attn.demo.patterns import EvalResult, PPOResult, TrainResult
+from attn.demo.result import DemoOptions, DemoResult
 from attn.demo.task import AdditionTask
 from attn.demo.watch import PassRecord
-
-if TYPE_CHECKING:
-    from attn.demo.run import DemoOptions, DemoResult
 
 __all__ = ["eval_lines", "header", "lora_ppo_lines", "ppo_lines", "summary", "table", "train_line"]
 

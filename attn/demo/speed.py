@@ -20,7 +20,7 @@ from attn.context import disable_kv_cache
 from attn.demo.task import AdditionTask, Problem
 from attn.demo.watch import PassRecord, base_model, watch
 from attn.generation import generate
-from attn.masks import padded_causal_mask, padding_positions
+from attn.masks import left_pad, padded_causal_mask, padding_positions
 
 __all__ = ["SpeedResult", "generate_without_cache", "measure_speed"]
 
@@ -36,12 +36,7 @@ def generate_without_cache(
     Returns:
         (b, P + N) long: padded prompts, then the generated tokens.
     """
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (b, P)
-    real = torch.zeros((len(prompts), width), dtype=torch.bool)  # (b, P)
-    for i, prompt in enumerate(prompts):
-        tokens[i, width - len(prompt) :] = torch.tensor(prompt)
-        real[i, width - len(prompt) :] = True
+    tokens, real = left_pad(prompts, pad_id)  # each (b, P)
     with torch.inference_mode(), disable_kv_cache(base_model(model)):
         for _ in range(max_new_tokens):
             logits = model(tokens, input_pos=padding_positions(real), mask=padded_causal_mask(real), last_only=True)

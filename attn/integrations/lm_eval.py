@@ -47,7 +47,7 @@ from attn.checkpoint import load_pretrained
 from attn.context import disable_kv_cache
 from attn.decoder import TransformerDecoder
 from attn.generation import generate
-from attn.masks import padded_causal_mask, padding_positions
+from attn.masks import left_pad, padded_causal_mask, padding_positions
 
 __all__ = ["AttnLM", "Tokenizer", "TokenizerFile"]
 
@@ -322,7 +322,7 @@ class AttnLM(TemplateLM):
         return _Scored(inputs=inputs, targets=whole[len(whole) - count :])
 
     def _score_batch(self, rows: list[_Scored]) -> list[tuple[float, bool]]:
-        tokens, present = self._left_pad([row.inputs for row in rows])  # each (b, s)
+        tokens, present = left_pad([row.inputs for row in rows], self.eot_token_id, self._device)  # each (b, s)
         with torch.inference_mode(), disable_kv_cache(self.model):
             logits = self.model(
                 tokens, input_pos=padding_positions(present), mask=padded_causal_mask(present)
@@ -340,15 +340,6 @@ class AttnLM(TemplateLM):
                 greedy = bool((logprobs.argmax(-1) == targets).all())
                 results.append((float(picked.sum()), greedy))
         return results
-
-    def _left_pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(seq) for seq in sequences)
-        tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)  # (b, s)
-        present = torch.zeros((len(sequences), width), dtype=torch.bool)  # (b, s)
-        for r, seq in enumerate(sequences):
-            tokens[r, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            present[r, width - len(seq) :] = True
-        return tokens.to(self._device), present.to(self._device)
 
     # -- generation --------------------------------------------------------------------
 

@@ -1,0 +1,45 @@
+"""The house: the core never imports the face, and ``import attn`` loads the core only."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "attn"
+FACE = ("attn.cli", "attn.demo", "attn.bench", "attn.integrations", "attn.fast_decode", "attn.__main__")
+CORE = sorted(
+    f"attn.{path.stem}"
+    for path in PACKAGE.glob("*.py")
+    if path.stem not in ("__init__", "__main__", "cli", "fast_decode")
+)
+
+
+def imported_modules(module: str) -> set[str]:
+    """Every ``attn`` module that ``module`` imports, at any depth of its code."""
+    tree = ast.parse((PACKAGE / f"{module.removeprefix('attn.')}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if name.startswith("attn")}
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_never_imports_the_face(module: str) -> None:
+    face = sorted(name for name in imported_modules(module) if name.startswith(FACE))
+    assert not face, f"{module} imports {face}: the face (command line, demo, bench, adapters) sits on top"
+
+
+def test_import_attn_loads_no_face() -> None:
+    """Not the CPU fast path either: ``attn.compile_for_decode`` loads it when first asked for."""
+    code = "import sys, attn; print(' '.join(m for m in sys.modules if m.startswith('attn.')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "attn.policy" in loaded and not [name for name in loaded if name.startswith(FACE)], loaded
+    code = "import sys, attn; attn.compile_for_decode; print('attn.fast_decode' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "True\n"
