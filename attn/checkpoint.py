@@ -64,6 +64,7 @@ __all__ = [
     "UnsupportedConfigError",
     "config_from_hf",
     "config_to_hf",
+    "hf_tensor_names",
     "load_pretrained",
     "save_pretrained",
 ]
@@ -372,7 +373,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 # ---------------------------------------------------------------------------- tensors
 
 
-def _tensor_names(config: DecoderConfig) -> dict[str, str]:
+def hf_tensor_names(config: DecoderConfig) -> dict[str, str]:
     """attn parameter name -> Hugging Face tensor name, for every parameter of the model."""
     names = {"tok_embeddings.weight": _TOP_TENSORS["tok_embeddings.weight"]}
     for i in range(config.num_layers):
@@ -538,7 +539,7 @@ def load_pretrained(
     dtype = _resolve_dtype(dtype) or _config_dtype(hf_config) or torch.float32
 
     index = _read_index(directory)
-    names = _tensor_names(config)
+    names = hf_tensor_names(config)
     _check_names(index, names, config)
 
     model = _empty_model(config, dtype=dtype, device=device)
@@ -609,7 +610,7 @@ def save_pretrained(
         The directory's path.
     """
     model = getattr(model, "_orig_mod", model)
-    names = _tensor_names(model.config)
+    names = hf_tensor_names(model.config)
     params = dict(model.named_parameters())
     dtype = _resolve_dtype(dtype) or params["tok_embeddings.weight"].dtype
     directory = Path(path)

@@ -25,6 +25,7 @@ from torch import nn
 
 import attn
 from attn import compat
+from attn.checkpoint import hf_tensor_names
 from attn.compat import CachePolicy, CompatWarning
 from attn.context import disable_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
@@ -170,19 +171,8 @@ def hf_config(config: DecoderConfig) -> Any:
 
 def hf_state_dict(model: TransformerDecoder) -> dict[str, torch.Tensor]:
     """``model``'s weights under ``LlamaForCausalLM`` names (the layouts match: no permutation)."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if model.output is not None:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(model.config.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        names[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
-        names[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names[f"{ours}attn.{proj}.weight"] = f"{theirs}self_attn.{proj}.weight"
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[f"{ours}mlp.{proj}.weight"] = f"{theirs}mlp.{proj}.weight"
     state = model.state_dict()
-    return {theirs: state[ours] for ours, theirs in names.items()}
+    return {theirs: state[ours] for ours, theirs in hf_tensor_names(model.config).items()}
 
 
 class CellContext:
