@@ -464,7 +464,8 @@ def compat_report(probe: bool = False) -> str:
     lines = [
         f"torch:               {torch.__version__} (parsed {decision.torch_version.release})",
         f"cache policy:        {decision.policy.value} ({decision.source}): {decision.reason}",
-        "usage:               with torch.inference_mode(): model(ids)  # uses the cache",
+        "usage:               torch.inference_mode() passes use the cache; torch.no_grad() and grad passes"
+        " leave it alone",
         f"release range:       torch {row.label}",
         f"traces is_inference: {'yes' if row.traces_is_inference else 'no'} (release table)",
         f"decides in graph:    {'yes' if row.decides_in_graph else 'no'}: {row.reason}",
