@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.kv_cache import KVCache
-from attn.policy import explicit_decision, inference_mode_decides
+from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
@@ -91,6 +91,15 @@ class MultiHeadAttention(nn.Module):
         if self.kv_cache is not None:
             self.kv_cache.torn_down = True
         self.kv_cache = None
+
+    def uses_cache(self, x: torch.Tensor | None = None) -> bool:
+        """Would a pass over ``x`` (b, s, e), run now, use the cache? (``attn.policy.uses_cache``)
+
+        ``x=None`` asks without running a pass: no warnings.
+        """
+        if x is None:
+            return uses_cache(self.kv_cache, self.cache_mode, 1, warn=False)
+        return uses_cache(self.kv_cache, self.cache_mode, x.shape[1])
 
     def forward(
         self,

@@ -86,11 +86,15 @@ def test_cached_chunks_match_reference(setup: tuple[MultiHeadAttention, int, int
 def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
     layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
     layer.setup_cache(1, 16, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 3, 8)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore", attn.CompatWarning)  # asserted in test_compat.py
-        layer(torch.randn(1, 3, 8))
+        asked = layer.uses_cache(x)
+        layer(x)
     used = layer.kv_cache.size == 3
-    assert used is (policy is CachePolicy.INFERENCE)
+    assert used is asked is (policy is CachePolicy.INFERENCE)
+    with torch.no_grad():
+        assert not layer.uses_cache(x) and not layer.uses_cache()
     layer.kv_cache.reset()
     with attn.cached_inference(layer):
         layer(torch.randn(1, 3, 8))
