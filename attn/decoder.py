@@ -291,6 +291,11 @@ class TransformerDecoder(nn.Module):
             use_cache = explicit_decision(first.kv_cache, first.cache_mode)
             if use_cache is None:
                 use_cache = inference_mode_decides(first.kv_cache, s, torch.compiler.is_compiling())
+        elif use_cache and torch.is_grad_enabled():
+            raise RuntimeError(
+                "use_cache=True in a grad-enabled forward pass: the cache must never hold autograd "
+                "history; pass use_cache=model.uses_cache(s), which is False under grad"
+            )
         cache = first.kv_cache if use_cache else None
         if cache is not None and not checked:
             cache.check_update(b, s)  # raise before any layer writes

@@ -63,8 +63,8 @@ class KVCache(nn.Module):
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
-            # Tokens the latest update wrote (0 after a reset): tells a decode loop that goes
-            # on from a prompt scored by mistake (attn.policy warns on it).
+            # Tokens the latest update wrote (0 after a reset): a multi-token inference-mode
+            # pass after a single-token one is scoring after a generation (attn.policy warns).
             self.register_buffer("last_write", torch.zeros((), dtype=torch.long, device=device), persistent=False)
 
     @property

@@ -247,3 +247,18 @@ def test_config_is_frozen_and_derives_head_dim() -> None:
     with pytest.raises(AttributeError):
         config.embed_dim = 64  # type: ignore[misc]
     assert isinstance(TransformerDecoder(config).layers[0].attn, attn.MultiHeadAttention)
+
+
+def test_a_decision_passed_in_cannot_write_the_cache_under_grad() -> None:
+    model = tiny_model(3)
+    model.setup_caches(1, 8)
+    tokens = torch.randint(0, 61, (1, 3))
+    with pytest.raises(RuntimeError, match=r"use_cache=True in a grad-enabled forward pass"):
+        model(tokens, use_cache=True)
+    assert model.kv_caches()[0].size == 0
+    with torch.no_grad():
+        assert model(tokens, use_cache=model.uses_cache(3)).shape == (1, 3, 61)
+    assert model.kv_caches()[0].size == 0  # no_grad without the flag: the decision was False
+    with torch.inference_mode():
+        model(tokens, use_cache=model.uses_cache(3))
+    assert model.kv_caches()[0].size == 3
