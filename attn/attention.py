@@ -7,6 +7,10 @@ Whether a pass uses the cache is decided by ``attn.policy.uses_cache``: once per
 forward by the decoder, which hands the answer down as ``use_cache``, or here for a layer
 used on its own. A pass that does not use the cache is plain causal attention and leaves the
 cache untouched.
+
+Checkpoint features, each switched by an argument: q/k/v and output biases (Qwen2, Llama's
+``attention_bias``), a per-head RMSNorm of queries and keys before RoPE (Qwen3), and a
+sliding window over slots (Mistral).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.kv_cache import KVCache
+from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RotaryEmbedding
 
@@ -34,6 +39,12 @@ class MultiHeadAttention(nn.Module):
         max_seq_len: positions the RoPE table covers, and the largest cache allowed.
         rope_base: the RoPE base.
         rope: a ``RotaryEmbedding`` to share between layers; built here when ``None``.
+        qkv_bias: the q/k/v projections have biases.
+        out_bias: the output projection has a bias.
+        qk_norm_eps: give each head's queries and keys an RMSNorm (weights of size d) with
+            this epsilon, applied before RoPE; None: no q/k norm.
+        sliding_window: a query attends to the ``sliding_window`` slots ending at its own
+            at most; None: to every earlier slot.
 
     Attributes:
         kv_cache: the layer's ``KVCache``, or ``None`` until caches are set up.
@@ -51,6 +62,10 @@ class MultiHeadAttention(nn.Module):
         max_seq_len: int,
         rope_base: float = 10_000.0,
         rope: RotaryEmbedding | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -65,10 +80,15 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_seq_len = max_seq_len
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False)
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        self.sliding_window = sliding_window
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=out_bias)
+        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
         self.rope = RotaryEmbedding(head_dim, max_seq_len, rope_base) if rope is None else rope
         self.kv_cache: KVCache | None = None
         self.cache_mode: bool | None = None
@@ -116,7 +136,8 @@ class MultiHeadAttention(nn.Module):
             input_pos: RoPE positions, (s,) or (b, s). Default: ``arange(s)`` without the
                 cache, the cache's fill position onwards with it.
             mask: bool, True where a query may attend: (b, s, L) or (s, L). Default: causal
-                (over cache slots when the cache is used).
+                (over cache slots when the cache is used). The sliding window, if any, is
+                applied on top.
             use_cache: the decision, made by the caller for the whole model, which has
                 also checked the cache's capacity; ``None`` decides and checks here.
 
@@ -130,13 +151,16 @@ class MultiHeadAttention(nn.Module):
             if use_cache is None:
                 use_cache = inference_mode_decides(self.kv_cache, s, torch.compiler.is_compiling())
         cache = self.kv_cache if use_cache else None
-        input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask)
+        input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask, self.sliding_window)
         key_len = cache.max_seq_len if cache is not None else s
         _check_aux(input_pos, mask, b, s, key_len)
 
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, h, s, d)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (b, s, h, d)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (b, s, h_kv, d)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, s, d), (b, h_kv, s, d)
         q = self.rope(q, input_pos)
         k = self.rope(k, input_pos)
         if cache is not None:
@@ -158,22 +182,32 @@ def default_pos_and_mask(
     device: torch.device,
     input_pos: torch.Tensor | None,
     mask: torch.Tensor | None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fills in positions and mask the caller left out.
+    """Fills in positions and mask the caller left out, and applies a sliding window.
 
     Without a cache: positions ``arange(s)`` and no mask (SDPA's causal kernel). With one:
     the queries go to slots ``fill .. fill + s - 1``, take those as positions, and attend
-    causally over the slots.
+    causally over the slots. A ``window`` keeps, for the query in slot q, the keys in slots
+    ``q - window + 1 .. q`` (slots, not positions: a left-padded row counts its padding, as
+    transformers does), ANDed with the given or default mask.
     """
     if cache is None:
-        return (torch.arange(s, device=device) if input_pos is None else input_pos), mask
-    if input_pos is None or mask is None:
+        input_pos = torch.arange(s, device=device) if input_pos is None else input_pos
+        if window is not None and s > window:  # shorter passes fit the window whole
+            slots = torch.arange(s, device=device)  # (s,)
+            band = (slots[None, :] <= slots[:, None]) & (slots[None, :] > slots[:, None] - window)  # (s, s)
+            mask = band if mask is None else mask & band
+        return input_pos, mask
+    if input_pos is None or mask is None or window is not None:
         query_slots = cache.cache_pos + torch.arange(s, device=device)  # (s,)
+        key_slots = torch.arange(cache.max_seq_len, device=device)  # (L,)
         if input_pos is None:
             input_pos = query_slots
         if mask is None:
-            key_slots = torch.arange(cache.max_seq_len, device=device)  # (L,)
             mask = key_slots[None, :] <= query_slots[:, None]  # (s, L)
+        if window is not None and window < cache.max_seq_len:
+            mask = mask & (key_slots[None, :] > query_slots[:, None] - window)  # (s, L) or (b, s, L)
     return input_pos, mask
 
 

@@ -5,16 +5,30 @@ one ``model.safetensors``, or shards listed by ``model.safetensors.index.json``.
 reads tensors with ``safetensors`` only: it never unpickles anything and never imports
 ``transformers``.
 
-Supported: ``model_type`` ``"llama"`` (``LlamaForCausalLM``), and ``"mistral"``
-(``MistralForCausalLM``) without a sliding window, with plain RoPE (``rope_type``
-``"default"``), SiLU MLPs and bias-free linears. Anything else is refused with an error that
-names the option, never loaded as a silently different model.
+Supported (``SUPPORTED_ARCHITECTURES``), each a switch of the one decoder's config:
 
-Tensor names, Hugging Face -> attn (i = layer index)::
+=========  ====================  =====================================================
+model_type architecture          what differs from Llama
+=========  ====================  =====================================================
+llama      LlamaForCausalLM      (``attention_bias``: q/k/v/o biases)
+mistral    MistralForCausalLM    ``sliding_window`` over slots
+qwen2      Qwen2ForCausalLM      q/k/v biases (Qwen2, Qwen2.5)
+qwen3      Qwen3ForCausalLM      per-head q/k RMSNorm, explicit ``head_dim``
+=========  ====================  =====================================================
+
+RoPE: plain, ``linear`` and ``llama3`` scaling (Llama 3.1-3.3); ``dynamic`` runs as plain
+RoPE within the original context, to which it then caps ``max_seq_len``. Refused, with an
+error naming the option: ``yarn`` and other RoPE types, partial rotary, MLP biases,
+activations other than SiLU, per-layer sliding windows (Qwen's ``use_sliding_window``),
+quantized tensors.
+
+Tensor names, Hugging Face -> attn (i = layer index; optional ones in brackets)::
 
     model.embed_tokens.weight                       tok_embeddings.weight
     model.layers.i.input_layernorm.weight           layers.i.attn_norm.weight
     model.layers.i.self_attn.{q,k,v,o}_proj.weight  layers.i.attn.{q,k,v,o}_proj.weight
+    [model.layers.i.self_attn.{q,k,v,o}_proj.bias]  layers.i.attn.{q,k,v,o}_proj.bias
+    [model.layers.i.self_attn.{q,k}_norm.weight]    layers.i.attn.{q,k}_norm.weight
     model.layers.i.post_attention_layernorm.weight  layers.i.mlp_norm.weight
     model.layers.i.mlp.{gate,up,down}_proj.weight   layers.i.mlp.{gate,up,down}_proj.weight
     model.norm.weight                               norm.weight
@@ -25,12 +39,13 @@ so every tensor is copied as it is: no permutation.
 
 Example::
 
-    model = attn.load_pretrained("/models/my-llama", dtype=torch.bfloat16)
+    model = attn.load_pretrained("/models/Qwen2.5-0.5B", dtype=torch.bfloat16)
     attn.checkpoint.save_pretrained(model, "/tmp/copy")  # loadable by attn and by transformers
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -47,6 +62,7 @@ from safetensors.torch import save_file
 
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import dtype_from_name, long_name
+from attn.rope import RopeScaling
 
 __all__ = [
     "CONFIG_FILE",
@@ -76,6 +92,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 """model_type -> the one ``architectures`` entry loadable for it."""
 
@@ -92,6 +110,9 @@ _LAYER_TENSORS: Mapping[str, str] = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
+_QKV_BIASES: Mapping[str, str] = {f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
+_OUT_BIAS: Mapping[str, str] = {"attn.o_proj.bias": "self_attn.o_proj.bias"}
+_QK_NORMS: Mapping[str, str] = {f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"}
 _TOP_TENSORS: Mapping[str, str] = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -106,6 +127,8 @@ _ROPE_THETA_DEFAULT = 10000.0  # transformers' default when a config names none
 _FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
     "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
 }
 _SUPPORTED_ACTIVATIONS = ("silu", "swish")  # one function under two names
 
@@ -167,8 +190,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
     Raises:
         UnsupportedArchitectureError: ``model_type`` / ``architectures`` is not one of
             ``SUPPORTED_ARCHITECTURES``.
-        UnsupportedConfigError: an option attn does not implement (rope scaling, biases,
-            an activation other than SiLU, a sliding window, quantization).
+        UnsupportedConfigError: an option attn does not implement (yarn RoPE, MLP biases,
+            an activation other than SiLU, per-layer sliding windows).
         InvalidConfigError: a required key is missing or has the wrong type.
 
     Example::
@@ -177,11 +200,15 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
     """
     model_type = _check_architecture(hf_config)
     hf_config = {**_FAMILY_DEFAULTS[model_type], **hf_config}  # keys left out, not explicit nulls
-    _check_options(hf_config, model_type)
+    _check_options(hf_config)
     hidden_size = _get_int(hf_config, "hidden_size")
     num_heads = _get_int(hf_config, "num_attention_heads")
     num_kv_heads = _get_int(hf_config, "num_key_value_heads", default=num_heads)
     head_dim = _get_int(hf_config, "head_dim", default=None)
+    max_seq_len = _get_int(hf_config, "max_position_embeddings")
+    rope_base, rope_scaling, rope_context = _rope(hf_config, max_seq_len)
+    qkv_bias, out_bias = _attention_biases(hf_config, model_type)
+    sliding_window = _sliding_window(hf_config, model_type, max_seq_len)
     try:
         return DecoderConfig(
             vocab_size=_get_int(hf_config, "vocab_size"),
@@ -191,24 +218,44 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_dim=_get_int(hf_config, "intermediate_size"),
-            max_seq_len=_get_int(hf_config, "max_position_embeddings"),
+            max_seq_len=min(max_seq_len, rope_context),
             norm_eps=_get_float(hf_config, "rms_norm_eps", default=1e-6),
-            rope_base=_rope_theta(hf_config),
+            rope_base=rope_base,
+            rope_scaling=rope_scaling,
             tie_embeddings=_get_bool(hf_config, "tie_word_embeddings", default=False),
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
         )
     except ValueError as err:  # DecoderConfig's own validation, e.g. heads vs kv heads
         raise InvalidConfigError(f"config.json describes an invalid model: {err}") from err
 
 
 def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``config.json`` dict of a ``LlamaForCausalLM`` equivalent to ``config``.
+    """The ``config.json`` dict of the Hugging Face model equivalent to ``config``.
 
-    Writes both RoPE spellings (``rope_theta`` and ``rope_parameters``) so that
-    transformers 4 and 5 read the same model.
+    The family is the plainest that has every feature ``config`` uses: Qwen3 for q/k norms,
+    Qwen2 for q/k/v biases without an output bias, Mistral for a sliding window, else
+    Llama. Writes both RoPE spellings (``rope_theta`` / ``rope_scaling`` and
+    ``rope_parameters``) so that transformers 4 and 5 read the same model.
+
+    Raises:
+        ValueError: no Hugging Face family has this combination of features.
     """
-    return {
-        "architectures": [SUPPORTED_ARCHITECTURES["llama"]],
-        "model_type": "llama",
+    model_type = _family_of(config)
+    rope = {"rope_type": "default"}
+    if config.rope_scaling is not None:
+        rope = {"rope_type": config.rope_scaling.kind, "factor": config.rope_scaling.factor}
+        if config.rope_scaling.kind == "llama3":
+            rope |= {
+                "low_freq_factor": config.rope_scaling.low_freq_factor,
+                "high_freq_factor": config.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": config.rope_scaling.original_max_seq_len,
+            }
+    hf_config: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.embed_dim,
         "num_hidden_layers": config.num_layers,
@@ -219,13 +266,40 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "rope_scaling": None if config.rope_scaling is None else rope,
+        "rope_parameters": {**rope, "rope_theta": config.rope_base},
         "tie_word_embeddings": config.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "dtype": long_name(dtype),
     }
+    if model_type in ("llama", "qwen3"):
+        hf_config["attention_bias"] = config.qkv_bias
+    if model_type == "llama":
+        hf_config["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3"):
+        hf_config["use_sliding_window"] = False
+    if model_type == "mistral":
+        hf_config["sliding_window"] = config.sliding_window
+    return hf_config
+
+
+def _family_of(config: DecoderConfig) -> str:
+    """The Hugging Face model_type that can hold ``config``."""
+    windowed = config.sliding_window is not None and config.sliding_window < config.max_seq_len
+    biases = (config.qkv_bias, config.out_bias)
+    if config.qk_norm and not windowed and biases in ((False, False), (True, True)):
+        return "qwen3"
+    if not config.qk_norm and not windowed and biases == (True, False):
+        return "qwen2"
+    if not config.qk_norm and windowed and biases == (False, False):
+        return "mistral"
+    if not config.qk_norm and not windowed and biases in ((False, False), (True, True)):
+        return "llama"
+    raise ValueError(
+        f"no Hugging Face model family has this combination: qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias}, "
+        f"out_bias={config.out_bias}, sliding_window={config.sliding_window}; save_pretrained writes Llama, "
+        "Mistral, Qwen2 or Qwen3 checkpoints"
+    )
 
 
 def _check_architecture(hf_config: Mapping[str, Any]) -> str:
@@ -252,27 +326,15 @@ def _check_architecture(hf_config: Mapping[str, Any]) -> str:
     return model_type
 
 
-def _check_options(hf_config: Mapping[str, Any], model_type: str) -> None:
+def _check_options(hf_config: Mapping[str, Any]) -> None:
     def refuse(key: str, fix: str) -> None:
         raise UnsupportedConfigError(f"{key} = {hf_config[key]!r} is not supported: {fix}")
 
     act = hf_config.get("hidden_act", "silu")
     if act not in _SUPPORTED_ACTIVATIONS:
         refuse("hidden_act", "attn's MLP is SwiGLU with SiLU (hidden_act 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf_config.get(key, False):
-            refuse(key, "attn's linear layers have no bias; load this model with transformers")
-    if hf_config.get("quantization_config") is not None:
-        refuse("quantization_config", "attn loads float weights only; use a dequantized checkpoint")
-    if model_type == "mistral":
-        window = hf_config.get("sliding_window")
-        max_pos = hf_config.get("max_position_embeddings")
-        if window is not None and not (isinstance(max_pos, int) and window >= max_pos):
-            refuse(
-                "sliding_window",
-                f"attn implements full causal attention only; a window smaller than "
-                f"max_position_embeddings ({max_pos}) changes the model",
-            )
+    if hf_config.get("mlp_bias", False):
+        refuse("mlp_bias", "attn's MLP linears have no bias; load this model with transformers")
     dropout = hf_config.get("attention_dropout", 0.0)
     if dropout:
         warnings.warn(
@@ -281,30 +343,105 @@ def _check_options(hf_config: Mapping[str, Any], model_type: str) -> None:
             CheckpointWarning,
             stacklevel=3,
         )
+
+
+def _attention_biases(hf_config: Mapping[str, Any], model_type: str) -> tuple[bool, bool]:
+    """(q/k/v biases, output bias): Qwen2 always has the first only; Llama and Qwen3 have both
+    or neither (``attention_bias``); Mistral has none."""
+    if model_type == "qwen2":
+        return True, False
+    if model_type == "mistral":
+        return False, False
+    bias = _get_bool(hf_config, "attention_bias", default=False)
+    return bias, bias
+
+
+def _sliding_window(hf_config: Mapping[str, Any], model_type: str, max_seq_len: int) -> int | None:
+    """The window every layer applies, or None. Mistral windows every layer; Qwen2/Qwen3
+    window only when ``use_sliding_window`` is set, and then only some layers."""
+    if model_type == "mistral":
+        window = _get_int(hf_config, "sliding_window", default=None)
+    elif model_type in ("qwen2", "qwen3") and _get_bool(hf_config, "use_sliding_window", default=False):
+        window = _get_int(hf_config, "sliding_window", default=None)
+        layers = _get_int(hf_config, "num_hidden_layers")
+        first = _get_int(hf_config, "max_window_layers", default=28)
+        kinds = hf_config.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(layers)
+        ]
+        windowed = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        if window is not None and windowed and len(windowed) < layers:
+            raise UnsupportedConfigError(
+                f"use_sliding_window = true windows layers {windowed[0]}..{windowed[-1]} only (sliding_window "
+                f"{window}, max_window_layers {first}): attn applies one attention span to every layer; set "
+                "use_sliding_window to false to run full attention (what the released Qwen2.5/Qwen3 configs do)"
+            )
+        window = window if windowed else None
+    else:
+        window = None
+    if window is not None and window >= max_seq_len:
+        return None  # the window holds every position the model runs
+    return window
+
+
+_ROPE_KINDS = ("default", "linear", "llama3", "dynamic")
+
+
+def _rope(hf_config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None, int]:
+    """(base, scaling, the positions it is valid for) from the RoPE keys of config.json."""
     for key in ("rope_scaling", "rope_parameters"):
-        params = hf_config.get(key)
-        if params is None:
-            continue
-        if not isinstance(params, Mapping):
-            raise InvalidConfigError(f"{key} must be a dict or null, got {params!r}")
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedConfigError(
-                f"{key} has rope_type {rope_type!r}, which attn does not implement: only plain "
-                "RoPE ('default') is supported. Loading it anyway would silently change the "
-                "model at every position"
+        value = hf_config.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidConfigError(f"{key} must be a dict or null, got {value!r}")
+    # transformers' order: the legacy rope_scaling over rope_parameters, then the top level.
+    key = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
+    params: Mapping[str, Any] = hf_config.get(key) or {}
+    base = _rope_theta(params, hf_config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise UnsupportedConfigError(
+            f"{key} has partial_rotary_factor {factor!r}: attn rotates the whole head (partial_rotary_factor 1.0)"
+        )
+    if rope_type not in _ROPE_KINDS:
+        raise UnsupportedConfigError(
+            f"{key} has rope_type {rope_type!r}, which attn does not implement (it implements "
+            f"{', '.join(_ROPE_KINDS)}); loading it anyway would silently change the model at every "
+            "position. To run within the pretrained context, remove the rope scaling from config.json "
+            "and set max_position_embeddings to original_max_position_embeddings"
+        )
+    if rope_type == "default":
+        return base, None, max_seq_len
+    if rope_type == "dynamic":
+        # Dynamic NTK is plain RoPE up to the original context, and re-encodes every position
+        # once a sequence grows past it (which keys already in a static cache cannot follow).
+        original = _get_int(params, "original_max_position_embeddings", default=max_seq_len)
+        if original < max_seq_len:
+            warnings.warn(
+                f"{key} rope_type 'dynamic' is plain RoPE within original_max_position_embeddings "
+                f"({original}) and rescales every position past it, which a static cache cannot follow: "
+                f"attn loads it as plain RoPE with max_seq_len {original} (not {max_seq_len})",
+                CheckpointWarning,
+                stacklevel=4,
             )
-        factor = params.get("partial_rotary_factor", 1.0)
-        if factor != 1.0:
-            raise UnsupportedConfigError(
-                f"{key} has partial_rotary_factor {factor!r}: attn rotates the whole head (partial_rotary_factor 1.0)"
-            )
+        return base, None, original
+    try:
+        if rope_type == "linear":
+            return base, RopeScaling("linear", _get_float(params, "factor", default=_NO_DEFAULT)), max_seq_len
+        scaling = RopeScaling(
+            "llama3",
+            factor=_get_float(params, "factor", default=_NO_DEFAULT),
+            low_freq_factor=_get_float(params, "low_freq_factor", default=_NO_DEFAULT),
+            high_freq_factor=_get_float(params, "high_freq_factor", default=_NO_DEFAULT),
+            original_max_seq_len=_get_int(params, "original_max_position_embeddings"),
+        )
+    except InvalidConfigError as err:
+        raise InvalidConfigError(f"{key} (rope_type {rope_type!r}): {err}") from None
+    except ValueError as err:
+        raise InvalidConfigError(f"{key}: {err}") from None
+    return base, scaling, max_seq_len
 
 
-def _rope_theta(hf_config: Mapping[str, Any]) -> float:
-    # transformers' order: the rope dict first (legacy rope_scaling over rope_parameters),
-    # then the top-level rope_theta, then the default.
-    params = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+def _rope_theta(params: Mapping[str, Any], hf_config: Mapping[str, Any]) -> float:
     top = hf_config.get("rope_theta")
     theta = params.get("rope_theta", top)
     if top is not None and theta != top:
@@ -337,7 +474,7 @@ def _get_int(hf_config: Mapping[str, Any], key: str, default: Any = _NO_DEFAULT)
     return value
 
 
-def _get_float(hf_config: Mapping[str, Any], key: str, default: float) -> float:
+def _get_float(hf_config: Mapping[str, Any], key: str, default: Any) -> float:
     value = _get(hf_config, key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidConfigError(f"config.json {key} must be a number, got {value!r}")
@@ -375,9 +512,15 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def hf_tensor_names(config: DecoderConfig) -> dict[str, str]:
     """attn parameter name -> Hugging Face tensor name, for every parameter of the model."""
+    layer_tensors = {
+        **_LAYER_TENSORS,
+        **(_QKV_BIASES if config.qkv_bias else {}),
+        **(_OUT_BIAS if config.out_bias else {}),
+        **(_QK_NORMS if config.qk_norm else {}),
+    }
     names = {"tok_embeddings.weight": _TOP_TENSORS["tok_embeddings.weight"]}
     for i in range(config.num_layers):
-        for ours, theirs in _LAYER_TENSORS.items():
+        for ours, theirs in layer_tensors.items():
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     names["norm.weight"] = _TOP_TENSORS["norm.weight"]
     if not config.tie_embeddings:
@@ -478,11 +621,39 @@ def _check_tensor(name: str, info: Any, expected: torch.Size, index: _Index) -> 
             f"{tuple(expected)}: config.json does not match the weights"
         )
     stored = info.get_dtype()
-    if stored not in ("F32", "F16", "BF16", "F64"):
+    if stored not in _FLOAT_DTYPES:
         raise TensorDtypeError(
             f"tensor {index.describe(name)} is stored as {stored}, not a float: attn loads "
             "unquantized float weights only"
         )
+
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names
+
+
+def _check_dequantized(quantization: Any, index: _Index) -> None:
+    """A ``quantization_config`` over float tensors (transformers writes one after
+    dequantizing a GGUF, say) is loaded with a warning; over quantized tensors, refused."""
+    method = quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
+    with ExitStack() as stack:
+        readers = _open_all(stack, index)
+        stored = {name: readers[shard].get_slice(name).get_dtype() for name, shard in index.files.items()}
+    packed = sorted(name for name, dtype in stored.items() if dtype not in _FLOAT_DTYPES)
+    if packed:
+        kinds = sorted({stored[name] for name in packed})
+        raise TensorDtypeError(
+            f"config.json has a quantization_config (quant_method {method!r}) and the weights are quantized: "
+            f"{len(packed)} of {len(stored)} tensors are stored as {kinds}, e.g. "
+            f"{[index.describe(n) for n in packed[:2]]}. "
+            "attn loads float weights only: load this checkpoint with transformers, or use the unquantized release"
+        )
+    warnings.warn(
+        f"config.json has a quantization_config (quant_method {method!r}), but every tensor is stored as a float "
+        f"({', '.join(sorted(set(stored.values())))}): the weights are already dequantized, so attn loads them as they "
+        "are and ignores quantization_config",
+        CheckpointWarning,
+        stacklevel=3,
+    )
 
 
 def _open_all(stack: ExitStack, index: _Index) -> dict[Path, Any]:
@@ -497,6 +668,7 @@ def load_pretrained(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    max_seq_len: int | None = None,
 ) -> TransformerDecoder:
     """Load a local Hugging Face Llama-family checkpoint directory.
 
@@ -509,6 +681,9 @@ def load_pretrained(
         dtype: parameter dtype (``torch.float32``, ``torch.bfloat16``, ``torch.float16`` or
             their names). None: the ``dtype`` / ``torch_dtype`` of config.json, else float32.
         device: where the parameters go; None: the default device.
+        max_seq_len: the most positions the model will run (its RoPE table and largest
+            cache); None: the checkpoint's ``max_position_embeddings``. Lower it to save
+            memory on long-context checkpoints (Llama 3.1: 131072 positions).
 
     Returns:
         The model, in eval mode, with no caches set up.
@@ -536,9 +711,16 @@ def load_pretrained(
     if not isinstance(hf_config, dict):
         raise InvalidConfigError(f"{config_path} must hold a JSON object")
     config = config_from_hf(hf_config)
+    if max_seq_len is not None:
+        limit = config.max_seq_len
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 0 < max_seq_len <= limit:
+            raise ValueError(f"max_seq_len must be an int in [1, {limit}] (its context), got {max_seq_len!r}")
+        config = dataclasses.replace(config, max_seq_len=max_seq_len)
     dtype = _resolve_dtype(dtype) or _config_dtype(hf_config) or torch.float32
 
     index = _read_index(directory)
+    if hf_config.get("quantization_config") is not None:
+        _check_dequantized(hf_config["quantization_config"], index)
     names = hf_tensor_names(config)
     _check_names(index, names, config)
 
@@ -595,10 +777,10 @@ def save_pretrained(
     *,
     dtype: torch.dtype | str | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` checkpoint directory.
+    """Write ``model`` as a Hugging Face checkpoint directory (``config_to_hf`` picks the family).
 
     The directory gets ``config.json`` and one ``model.safetensors``; both attn's
-    ``load_pretrained`` and transformers' ``LlamaForCausalLM.from_pretrained`` read it.
+    ``load_pretrained`` and transformers' ``AutoModelForCausalLM.from_pretrained`` read it.
 
     Args:
         model: the model to save (a torch.compile'd model is unwrapped).

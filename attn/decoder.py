@@ -17,8 +17,9 @@ from torch import nn
 
 from attn.attention import MultiHeadAttention, default_pos_and_mask
 from attn.kv_cache import KVCache
+from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
-from attn.rope import RotaryEmbedding
+from attn.rope import RopeScaling, RotaryEmbedding
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -41,7 +42,13 @@ class DecoderConfig:
         max_seq_len: positions the RoPE table covers; caches can hold at most this many.
         norm_eps: RMSNorm epsilon.
         rope_base: RoPE base (``rope_theta``).
+        rope_scaling: how RoPE's frequencies are stretched (Llama 3.1+), or None.
         tie_embeddings: the output projection reuses the token embedding.
+        qkv_bias: the q/k/v projections have biases (Qwen2, Llama's ``attention_bias``).
+        out_bias: the output projection has a bias (Llama's ``attention_bias``).
+        qk_norm: each head's queries and keys go through an RMSNorm before RoPE (Qwen3).
+        sliding_window: a query attends to at most this many slots ending at its own
+            (Mistral's ``sliding_window``); None: to every earlier slot.
     """
 
     vocab_size: int
@@ -54,7 +61,12 @@ class DecoderConfig:
     head_dim: int | None = None
     norm_eps: float = 1e-5
     rope_base: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
@@ -78,20 +90,11 @@ class DecoderConfig:
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         if self.norm_eps <= 0 or self.rope_base <= 0:
             raise ValueError(f"norm_eps ({self.norm_eps}) and rope_base ({self.rope_base}) must be positive")
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back before the weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"DecoderConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ValueError(f"DecoderConfig.sliding_window must be a positive int or None, got {window!r}")
 
 
 class FeedForward(nn.Module):
@@ -120,6 +123,10 @@ class DecoderLayer(nn.Module):
             head_dim=config.head_dim,
             max_seq_len=config.max_seq_len,
             rope=rope,
+            qkv_bias=config.qkv_bias,
+            out_bias=config.out_bias,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None,
+            sliding_window=config.sliding_window,
         )
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.mlp = FeedForward(config.embed_dim, config.hidden_dim)
@@ -150,7 +157,7 @@ class TransformerDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.embed_dim)
-        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base)
+        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
@@ -299,7 +306,7 @@ class TransformerDecoder(nn.Module):
         cache = first.kv_cache if use_cache else None
         if cache is not None and not checked:
             cache.check_update(b, s)  # raise before any layer writes
-        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)
+        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)  # windows: per layer
         h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)

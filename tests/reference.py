@@ -28,6 +28,9 @@ def reference_attention(
 ) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V head by head, in float64.
 
+    Biases and q/k norms are used when the layer has them; the sliding window is not (it is
+    part of ``allowed``).
+
     Args:
         x: (b, s, e); attention: an attn.MultiHeadAttention (weights only are used);
         positions: (b, s); allowed: (b, s, s) bool.
@@ -35,9 +38,19 @@ def reference_attention(
     b, s, _ = x.shape
     h, h_kv, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
     x = x.double()
-    q = (x @ attention.q_proj.weight.double().T).view(b, s, h, d)
-    k = (x @ attention.k_proj.weight.double().T).view(b, s, h_kv, d)
-    v = (x @ attention.v_proj.weight.double().T).view(b, s, h_kv, d)
+
+    def project(linear: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        out = inputs @ linear.weight.double().T
+        return out if linear.bias is None else out + linear.bias.double()
+
+    def head_norm(t: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+        if norm is None:
+            return t
+        return t / torch.sqrt((t * t).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+
+    q = head_norm(project(attention.q_proj, x).view(b, s, h, d), attention.q_norm)
+    k = head_norm(project(attention.k_proj, x).view(b, s, h_kv, d), attention.k_norm)
+    v = project(attention.v_proj, x).view(b, s, h_kv, d)
     base = attention.rope.base
     out = torch.zeros(b, s, h, d, dtype=torch.float64)
     for row in range(b):
@@ -48,7 +61,15 @@ def reference_attention(
             scores = qh @ kh.T / math.sqrt(d)  # (s, s)
             scores = scores.masked_fill(~allowed[row], float("-inf"))
             out[row, :, head] = scores.softmax(-1) @ v[row, :, kv_head].double()
-    return out.reshape(b, s, h * d) @ attention.o_proj.weight.double().T
+    return project(attention.o_proj, out.reshape(b, s, h * d))
+
+
+def window_band(s: int, window: int | None) -> torch.Tensor:
+    """(s, s) bool: query i may see key j iff j <= i and, with a window, i - j < window."""
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()
+    if window is not None:
+        allowed &= torch.ones(s, s, dtype=torch.bool).triu(-(window - 1))
+    return allowed
 
 
 def reference_decoder(
@@ -62,7 +83,7 @@ def reference_decoder(
     if padding is None:
         padding = torch.ones(b, s, dtype=torch.bool)
     positions = (padding.long().cumsum(-1) - 1).clamp(min=0)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = window_band(s, model.config.sliding_window)  # slots, as transformers counts them
     allowed = (causal & padding[:, None, :]) | torch.eye(s, dtype=torch.bool)  # (b, s, s)
     eps = model.config.norm_eps
 

@@ -13,7 +13,7 @@ import attn
 from attn import MultiHeadAttention
 from attn.compat import CachePolicy
 
-from .reference import reference_attention
+from .reference import reference_attention, window_band
 
 
 @st.composite
@@ -83,6 +83,44 @@ def test_cached_chunks_match_reference(setup: tuple[MultiHeadAttention, int, int
     torch.testing.assert_close(torch.cat(outputs, 1), expected.float(), rtol=1e-4, atol=1e-5)
 
 
+@st.composite
+def featured_layers(draw: st.DrawFn) -> MultiHeadAttention:
+    """Layers with the checkpoint features switched on at random, their biases and norms random."""
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    layer = MultiHeadAttention(
+        embed_dim=16,
+        num_heads=4,
+        num_kv_heads=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([4, 8])),
+        max_seq_len=32,
+        qkv_bias=draw(st.booleans()),
+        out_bias=draw(st.booleans()),
+        qk_norm_eps=draw(st.sampled_from([None, 1e-6])),
+        sliding_window=draw(st.sampled_from([None, 1, 2, 5])),
+    )
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    return layer
+
+
+@given(featured_layers(), st.integers(1, 2), st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_features_match_reference_uncached_and_cached(layer: MultiHeadAttention, b: int, chunks: list[int]) -> None:
+    total = sum(chunks)
+    x = torch.randn(b, total, layer.embed_dim)
+    allowed = window_band(total, layer.sliding_window).expand(b, total, total)
+    expected = reference_attention(x, layer, torch.arange(total).expand(b, total), allowed).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+    layer.setup_cache(b, total + 3, dtype=torch.float32, device="cpu")
+    outputs, start = [], 0
+    with torch.no_grad():
+        for s in chunks:
+            outputs.append(layer(x[:, start : start + s], use_cache=True))
+            start += s
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
     layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
     layer.setup_cache(1, 16, dtype=torch.float32, device="cpu")
@@ -110,6 +148,7 @@ def test_decides_by_input_under_inference_policy(policy: CachePolicy) -> None:
         ),
         (dict(embed_dim=10, num_heads=4), r"embed_dim \(10\) is not divisible by num_heads \(4\); pass head_dim"),
         (dict(embed_dim=8, num_heads=2, head_dim=3), r"RoPE needs an even head_dim, got 3"),
+        (dict(embed_dim=8, num_heads=2, sliding_window=0), r"sliding_window must be a positive int or None, got 0"),
     ],
 )
 def test_bad_construction(kwargs: dict, message: str) -> None:

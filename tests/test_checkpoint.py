@@ -247,10 +247,56 @@ def test_mistral_without_window_is_llama() -> None:
     assert config_from_hf({**mistral, "sliding_window": 4096}) == llama  # the window covers every position
     assert config_from_hf({**mistral, "sliding_window": None, "num_key_value_heads": None}) == llama
     # Keys left out take transformers' Mistral defaults, which differ from Llama's:
-    with pytest.raises(UnsupportedConfigError, match=r"sliding_window = 4096 is not supported"):
-        config_from_hf({**mistral, "max_position_embeddings": 8192})
+    assert config_from_hf({**mistral, "max_position_embeddings": 8192}).sliding_window == 4096
     del mistral["num_key_value_heads"]
     assert config_from_hf({**mistral, "sliding_window": None, "num_attention_heads": 16}).num_kv_heads == 8
+
+
+def test_dequantized_checkpoint_loads_with_a_warning(saved: tuple[attn.TransformerDecoder, Path]) -> None:
+    model, directory = saved
+    _write(directory, config={**_config(directory), "quantization_config": {"quant_method": "gguf"}})
+    with pytest.warns(CheckpointWarning, match=r"quant_method 'gguf'\), but every tensor is stored as a float \(F32\)"):
+        _assert_same_model(model, load_pretrained(directory))
+
+
+def test_quantized_checkpoint_is_refused_naming_its_tensors(saved: tuple[attn.TransformerDecoder, Path]) -> None:
+    directory = saved[1]
+    tensors = _tensors(directory)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(32, 8, dtype=torch.int32)  # packed, as GPTQ
+    tensors["model.layers.0.self_attn.q_proj.scales"] = torch.ones(1, 32, dtype=torch.float16)
+    _write(directory, config={**_config(directory), "quantization_config": {"quant_method": "gptq"}}, tensors=tensors)
+    with pytest.raises(
+        TensorDtypeError,
+        match=r"quant_method 'gptq'\) and the weights are quantized: 1 of \d+ tensors are stored as \['I32'\], "
+        r"e.g. \[\"'model.layers.0.self_attn.q_proj.weight'",
+    ):
+        load_pretrained(directory)
+
+
+def test_max_seq_len_caps_the_context(saved: tuple[attn.TransformerDecoder, Path]) -> None:
+    model, directory = saved
+    short = load_pretrained(directory, max_seq_len=16)
+    assert short.config.max_seq_len == 16 and short.layers[0].attn.rope.cos_sin.shape[1] == 16
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(short(tokens), model(tokens), rtol=0, atol=0)
+    for bad in (0, model.config.max_seq_len + 1, 8.0, True):
+        with pytest.raises(ValueError, match=rf"max_seq_len must be an int in \[1, {model.config.max_seq_len}\]"):
+            load_pretrained(directory, max_seq_len=bad)
+
+
+def test_dynamic_rope_runs_as_plain_rope_within_the_original_context(
+    saved: tuple[attn.TransformerDecoder, Path],
+) -> None:
+    model, directory = saved
+    rope = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 32}
+    _write(directory, config={**_config(directory), "rope_scaling": rope})
+    with pytest.warns(CheckpointWarning, match=r"loads it as plain RoPE with max_seq_len 32 \(not 64\)"):
+        loaded = load_pretrained(directory)
+    assert loaded.config.max_seq_len == 32 and loaded.config.rope_scaling is None
+    tokens = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
 
 
 def test_attention_dropout_is_ignored_with_a_warning(saved: tuple[attn.TransformerDecoder, Path]) -> None:
@@ -294,16 +340,30 @@ BAD_CONFIGS = [
     ),
     # unsupported options
     (
-        "llama3 rope",
-        _set(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+        "yarn rope",
+        _set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
         UnsupportedConfigError,
-        r"rope_parameters has rope_type 'llama3', which attn does not implement",
+        r"rope_parameters has rope_type 'yarn', which attn does not implement .* remove the rope scaling",
     ),
     (
-        "legacy linear rope scaling",
-        _set(rope_scaling={"type": "linear", "factor": 2.0}),
-        UnsupportedConfigError,
-        r"rope_scaling has rope_type 'linear'",
+        "llama3 rope without its band",
+        _set(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+        InvalidConfigError,
+        r"rope_parameters \(rope_type 'llama3'\): config.json lacks the required key 'low_freq_factor'",
+    ),
+    (
+        "llama3 rope with an empty band",
+        _set(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+        InvalidConfigError,
+        r"rope_scaling: RopeScaling needs 0 < low_freq_factor \(4.0\) < high_freq_factor \(1.0\)",
     ),
     (
         "partial rotary",
@@ -311,20 +371,25 @@ BAD_CONFIGS = [
         UnsupportedConfigError,
         r"partial_rotary_factor 0.5",
     ),
-    ("attention bias", _set(attention_bias=True), UnsupportedConfigError, r"attention_bias = True is not supported"),
+    (
+        "attention bias without bias tensors",
+        _set(attention_bias=True),
+        MissingTensorError,
+        r"lacks 8 tensor\(s\) the config implies, e.g. \['model.layers.0.self_attn.k_proj.bias'",
+    ),
     ("mlp bias", _set(mlp_bias=True), UnsupportedConfigError, r"mlp_bias = True is not supported"),
     ("gelu", _set(hidden_act="gelu"), UnsupportedConfigError, r"hidden_act = 'gelu' is not supported: .*SiLU"),
     (
-        "quantized",
-        _set(quantization_config={"quant_method": "gptq"}),
+        "qwen2 windowing some layers",
+        _set(
+            model_type="qwen2",
+            architectures=["Qwen2ForCausalLM"],
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        ),
         UnsupportedConfigError,
-        r"quantization_config = .* is not supported",
-    ),
-    (
-        "sliding window",
-        _set(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=16),
-        UnsupportedConfigError,
-        r"sliding_window = 16 is not supported",
+        r"use_sliding_window = true windows layers 1..1 only \(sliding_window 8, max_window_layers 1\)",
     ),
     ("fp8 dtype", _set(dtype="float8_e4m3fn"), UnsupportedConfigError, r"dtype 'float8_e4m3fn' is not supported"),
     # invalid configs

@@ -23,6 +23,10 @@ def decoder_setups(draw: st.DrawFn) -> dict:
         head_dim=draw(st.sampled_from([4, 8, 16])),
         tie_embeddings=draw(st.booleans()),
         rope_base=draw(st.sampled_from([10_000.0, 500_000.0])),
+        qkv_bias=draw(st.booleans()),
+        out_bias=draw(st.booleans()),
+        qk_norm=draw(st.booleans()),
+        sliding_window=draw(st.sampled_from([None, 2, 5])),
     )
 
 

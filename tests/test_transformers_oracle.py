@@ -1,7 +1,10 @@
 """transformers as a numerical oracle for attn/checkpoint.py and the decoder it loads.
 
-For each config, ``LlamaForCausalLM`` with random weights is saved with ``save_pretrained``,
-loaded with ``attn.load_pretrained``, and both models must agree on:
+For each case (Llama with plain, ``llama3`` and ``linear`` RoPE and attention biases;
+Qwen2 with q/k/v biases; Qwen3 with q/k norms and a head_dim unequal to hidden/heads;
+Mistral with a sliding window shorter than the sequences), the transformers model with
+random weights is saved with ``save_pretrained``, loaded with ``attn.load_pretrained``,
+and both models must agree on:
 
 (a) logits: fp32 within ``assert_close``'s fp32 defaults (rtol 1.3e-6, atol 1e-5). bf16:
     attn in bf16 and transformers in bf16 are each compared with the transformers fp32
@@ -34,6 +37,7 @@ import torch
 
 import attn
 from attn.checkpoint import load_pretrained, save_pretrained
+from attn.rope import inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,7 +52,8 @@ BF16_MAX_ABS = 1.0
 @dataclass(frozen=True)
 class OracleCase:
     name: str
-    hf: dict[str, Any]  # LlamaConfig arguments on top of BASE
+    hf: dict[str, Any]  # config arguments on top of BASE
+    family: str = "Llama"  # transformers' {family}Config and {family}ForCausalLM
 
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
@@ -73,6 +78,43 @@ CASES = [
             rms_norm_eps=1e-5,
         ),
     ),
+    # RoPE scaled past an original context of 16 positions: the sequences below run to 45.
+    OracleCase(
+        "llama3-rope-gqa-tied",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=5e5,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    OracleCase(
+        "linear-rope-attention-bias",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attention_bias=True,
+            rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0),
+        ),
+    ),
+    OracleCase("qwen2-gqa-tied", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), "Qwen2"),
+    OracleCase(
+        "qwen3-headdim32-untied",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+        "Qwen3",
+    ),
+    OracleCase(
+        "mistral-window8",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, rope_theta=1e6),
+        "Mistral",
+    ),
 ]
 
 
@@ -86,15 +128,16 @@ class Pair:
 
 def _hf_model(case: OracleCase, seed: int = 0) -> Any:
     # No EOS: generation must run all NEW_TOKENS steps on both sides, with nothing suppressed.
-    config = transformers.LlamaConfig(
-        **BASE, **case.hf, initializer_range=INIT_STD, eos_token_id=None, bos_token_id=None
-    )
+    config_class = getattr(transformers, f"{case.family}Config")
+    config = config_class(**BASE, **case.hf, initializer_range=INIT_STD, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at 1; vary them so a swapped norm weight would show
+    model = getattr(transformers, f"{case.family}ForCausalLM")(config).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: vary them so a swap or a drop would show
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.uniform_(-0.5, 0.5)
     return model
 
 
@@ -140,10 +183,31 @@ def test_config_matches(pair: Pair) -> None:
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (
         hf.num_attention_heads,
         hf.num_key_value_heads,
-        hf.head_dim,
+        getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
     )
     assert config.rope_base == hf.rope_parameters["rope_theta"] and config.norm_eps == hf.rms_norm_eps
     assert config.tie_embeddings == hf.tie_word_embeddings and config.max_seq_len == hf.max_position_embeddings
+    rope_type = hf.rope_parameters.get("rope_type", "default")
+    assert (config.rope_scaling.kind if config.rope_scaling else "default") == rope_type
+    assert config.sliding_window == getattr(hf, "sliding_window", None)
+    biases = {name.rsplit(".", 2)[-2] for name, _ in pair.hf.named_parameters() if name.endswith("proj.bias")}
+    assert {"q_proj", "k_proj", "v_proj"} <= biases if config.qkv_bias else not biases & {"q_proj", "k_proj", "v_proj"}
+    assert ("o_proj" in biases) == config.out_bias
+    assert config.qk_norm == any(name.endswith("q_norm.weight") for name, _ in pair.hf.named_parameters())
+
+
+def test_rope_frequencies_match_transformers(pair: Pair) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = pair.hf.config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        expected = pair.hf.model.rotary_emb.inv_freq
+    else:
+        expected, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](pair.hf.config, torch.device("cpu"))
+        assert attention_factor == 1.0
+    config = pair.ours.config
+    actual = inverse_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
 def test_fp32_logits_match(pair: Pair) -> None:
@@ -164,7 +228,7 @@ def test_fp32_left_padded_logits_match(pair: Pair) -> None:
 
 def test_bf16_logits_within_tolerance(pair: Pair) -> None:
     tokens = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(2))
-    hf16 = transformers.LlamaForCausalLM.from_pretrained(pair.directory, dtype=torch.bfloat16).eval()
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(pair.directory, dtype=torch.bfloat16).eval()
     ours16 = load_pretrained(pair.directory, dtype=torch.bfloat16)
     assert {p.dtype for p in ours16.parameters()} == {torch.bfloat16}
     with torch.no_grad():
@@ -227,12 +291,17 @@ def test_greedy_generation_with_user_caches_matches_transformers(pair: Pair) -> 
 # ---------------------------------------------------------------------------- other directions
 
 
-def test_transformers_loads_what_attn_saves(tmp_path: Path) -> None:
-    case = CASES[3]
+@pytest.mark.parametrize("case", [c for c in CASES if c.name != "mha-untied"], ids=lambda c: c.name)
+def test_transformers_loads_what_attn_saves(tmp_path: Path, case: OracleCase) -> None:
     ours = load_pretrained(_saved_hf(case, tmp_path / "hf"))
     directory = save_pretrained(ours, tmp_path / "attn")
-    hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
-    assert json.loads((directory / "config.json").read_text())["rope_theta"] == case.hf["rope_theta"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(hf).__name__ == f"{case.family}ForCausalLM"
+    saved = json.loads((directory / "config.json").read_text())
+    assert saved["rope_parameters"] == {"rope_theta": ours.config.rope_base, "rope_type": "default"} | case.hf.get(
+        "rope_parameters", {}
+    )
+    assert load_pretrained(directory).config == ours.config
     tokens = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits)
