@@ -9,7 +9,6 @@ maps onto it one tensor at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +19,6 @@ from attn.kv_cache import KVCache
 from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 __all__ = ["DecoderConfig", "TransformerDecoder"]
 
@@ -161,15 +157,6 @@ class TransformerDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
-
-    @classmethod
-    def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
-    ) -> TransformerDecoder:
-        """Loads a local Hugging Face Llama-family checkpoint (see ``attn.load_pretrained``)."""
-        from attn.checkpoint import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, device=device)
 
     # -- caches ------------------------------------------------------------------------
 

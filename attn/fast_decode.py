@@ -62,8 +62,8 @@ def _realize_barrier() -> Any:
     return getattr(torch.ops.prims, "inductor_force_stride_order", None)
 
 
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) written as one reduction per input row.
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` written as one reduction per input row.
 
     Meant to be traced by inductor for inputs with few rows (decode); in eager code it is
     only a slow reference. Accumulates in fp32 whatever the dtype, like the BLAS kernels.
@@ -71,6 +71,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Args:
         x: (..., e) with few rows (the product of the leading dims).
         weight: (n, e).
+        bias: (n,), added in fp32, or None.
 
     Returns:
         (..., n), in ``x``'s dtype.
@@ -82,6 +83,8 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = barrier(rows, (features, 1))  # computed once, not once per weight row; no-op in eager
     wide = weight.float()  # (n, e)
     out = torch.stack([(wide * rows[i].float()).sum(-1) for i in range(rows.shape[0])])  # (m, n)
+    if bias is not None:
+        out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., n)
 
 
@@ -188,7 +191,7 @@ class DecodeCompileStats:
 
 
 def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tuple[int, torch.dtype]]:
-    """Points every bias-free linear with at most ``max_rows`` input rows at ``rowwise_linear``.
+    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``.
 
     Returns:
         ``(rows, weight dtype)`` of each linear rewritten.
@@ -199,13 +202,13 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tupl
             continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         example, weight = _example_value(node.args[0]), _example_value(node.args[1])
-        if bias is not None or not isinstance(example, torch.Tensor) or example.dim() == 0:
+        if not isinstance(example, torch.Tensor) or example.dim() == 0:
             continue
         rows = example.numel() // max(int(example.shape[-1]), 1)
         if not isinstance(rows, int) or rows > max_rows:
             continue  # symbolic or large: the BLAS kernel is the right one
         node.target = rowwise_linear
-        node.args = (node.args[0], node.args[1])
+        node.args = (node.args[0], node.args[1], bias)
         node.kwargs = {}
         rewritten.append((rows, weight.dtype if isinstance(weight, torch.Tensor) else example.dtype))
     if rewritten:

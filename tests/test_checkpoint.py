@@ -89,11 +89,6 @@ def test_round_trip_is_exact(tmp_path: Path, tie_embeddings: bool) -> None:
     assert not loaded.training and not loaded.caches_are_setup()
 
 
-def test_from_pretrained_delegates(saved: tuple[attn.TransformerDecoder, Path]) -> None:
-    model, directory = saved
-    _assert_same_model(model, attn.TransformerDecoder.from_pretrained(directory))
-
-
 def test_sharded_checkpoint_loads(saved: tuple[attn.TransformerDecoder, Path], tmp_path: Path) -> None:
     model, directory = saved
     tensors = _tensors(directory)

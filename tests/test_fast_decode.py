@@ -44,6 +44,23 @@ def test_rowwise_linear_equals_linear() -> None:
     got = rowwise_linear(xb, wb)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), rtol=2e-2, atol=2e-2)
+    bias = torch.randn(24)
+    torch.testing.assert_close(rowwise_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@pytest.mark.slow
+def test_checkpoint_features_compile_and_equal_eager() -> None:
+    """q/k/v biases (Qwen2), q/k norms (Qwen3) and a sliding window (Mistral) through the
+    compiled step: the same tokens as eager, every linear rewritten, biased ones included."""
+    model = tiny_model(13, qkv_bias=True, qk_norm=True, sliding_window=3)
+    expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
+    model.setup_caches(2, 32)
+    fast = compile_for_decode(model)
+    got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)
+    assert fast.stats.graphs == 1, fast.stats
+    assert fast.stats.linears_rewritten == 7 * model.config.num_layers + 1
 
 
 def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
