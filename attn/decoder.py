@@ -8,6 +8,7 @@ maps onto it one tensor at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -223,16 +224,45 @@ class TransformerDecoder(nn.Module):
     def check_cache_capacity(self, batch_size: int, num_tokens: int) -> None:
         """Raises, before anything is written, if ``num_tokens`` more tokens per row do not
         fit the caches or ``batch_size`` rows do not match them (one host read, eager only)."""
-        if not self.caches_are_setup():
-            raise RuntimeError("caches are not set up: call setup_caches() first")
-        self.layers[0].attn.kv_cache.check_update(batch_size, num_tokens)
+        self._caches_or_raise()[0].check_update(batch_size, num_tokens)
 
     def reset_caches(self) -> None:
         """Empties every cache (keeps them set up); works in and out of inference mode."""
+        for cache in self._caches_or_raise():
+            cache.reset()
+
+    def rewind_caches(self, fill: int | torch.Tensor) -> None:
+        """Crops every cache to its first ``fill`` tokens, as if the model had never run past
+        them (``KVCache.rewind``): roll back a rejected draft, or score another continuation
+        of a prefilled context. Checked once, before any layer changes."""
+        caches = self._caches_or_raise()
+        caches[0].rewind(fill)
+        for cache in caches[1:]:
+            cache.rewind(fill if isinstance(fill, torch.Tensor) else torch.tensor(fill))
+
+    def select_caches(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Keeps the cache rows ``rows`` in every layer (``KVCache.select``): drop finished
+        rows, reorder them, or copy one prompt's rows. Checked once, before any layer changes."""
+        caches = self._caches_or_raise()
+        caches[0].select(rows)
+        index = torch.as_tensor(rows, device=caches[0].k_cache.device).long()
+        for cache in caches[1:]:
+            cache.select(index)
+
+    def fork_caches(self, num_copies: int) -> None:
+        """Repeats every cache row ``num_copies`` times in place, row i becoming rows
+        ``i * num_copies .. (i + 1) * num_copies - 1``: prefill each prompt once, then sample
+        ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does)."""
+        if not isinstance(num_copies, int) or isinstance(num_copies, bool) or num_copies <= 0:
+            raise ValueError(f"num_copies must be a positive int, got {num_copies!r}")
+        caches = self._caches_or_raise()
+        rows = torch.arange(caches[0].batch_size, device=caches[0].k_cache.device).repeat_interleave(num_copies)
+        self.select_caches(rows)
+
+    def _caches_or_raise(self) -> list[KVCache]:
         if not self.caches_are_setup():
             raise RuntimeError("caches are not set up: call setup_caches() first")
-        for attention in self._attention():
-            attention.kv_cache.reset()
+        return self.kv_caches()
 
     def teardown_caches(self) -> None:
         """Removes the caches; forward passes run plain causal attention afterwards."""

@@ -9,6 +9,8 @@ step looks the same to ``torch.compile`` at every position and compiles once. Bu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -144,6 +146,69 @@ class KVCache(nn.Module):
         self.cache_pos.add_(s)
         self.last_write.fill_(s)
         return self.k_cache, self.v_cache
+
+    def rewind(self, fill: int | torch.Tensor) -> None:
+        """Crops the cache to its first ``fill`` tokens, as if it had never gone past them.
+
+        The slots from ``fill`` on are zeroed, so the cache equals one that was only ever
+        filled to ``fill``. The fill position is data, not a shape: a compiled forward
+        after a rewind does not recompile. Pass ``fill`` as a 0-dim tensor to keep a
+        compiled caller from specializing on its value; eager code checks it (one host read).
+
+        Args:
+            fill: tokens to keep, in ``[0, size]``.
+
+        Raises:
+            ValueError: ``fill`` is not an integer in ``[0, size]``; the cache is unchanged.
+        """
+        if isinstance(fill, torch.Tensor):
+            if fill.dim() != 0 or fill.dtype.is_floating_point or fill.dtype == torch.bool:
+                raise ValueError(
+                    f"rewind takes an int or a 0-dim integer tensor, got {fill.dtype} of shape {tuple(fill.shape)}"
+                )
+        elif not isinstance(fill, int) or isinstance(fill, bool):
+            raise ValueError(f"rewind takes an int or a 0-dim integer tensor, got {fill!r}")
+        self._check_rows(self.batch_size)
+        if not torch.compiler.is_compiling():
+            filled, wanted = self.size, int(fill)
+            if not 0 <= wanted <= filled:
+                raise ValueError(
+                    f"cannot rewind to {wanted}: the cache holds {filled} tokens, so a rewind goes to "
+                    f"0..{filled} (reset_caches() empties it)"
+                )
+        kept = torch.arange(self.max_seq_len, device=self.k_cache.device) < fill  # (L,)
+        self.k_cache.masked_fill_(~kept[:, None], 0)
+        self.v_cache.masked_fill_(~kept[:, None], 0)
+        self.cache_pos.fill_(fill)
+        self.last_write.zero_()
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Keeps the cache rows ``rows``, in that order: a row may appear many times (a
+        fork) or not at all. The batch size becomes ``len(rows)``.
+
+        The buffers are replaced (their shape changes with the batch), so a compiled
+        forward sees a new batch size: one compile per batch size, as for any input.
+
+        Args:
+            rows: 1-D row indices in ``[0, batch_size)``.
+
+        Raises:
+            ValueError: ``rows`` is empty, not 1-D integers, or out of range; the cache is
+                unchanged.
+        """
+        self._check_rows(self.batch_size)
+        index = torch.as_tensor(rows, device=self.k_cache.device)
+        if index.dim() != 1 or index.numel() == 0 or index.dtype.is_floating_point or index.dtype == torch.bool:
+            raise ValueError(f"rows must be a non-empty 1-D sequence of row indices, got {rows!r}")
+        low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
+        if low < 0 or high >= self.batch_size:
+            raise ValueError(
+                f"rows must be in [0, {self.batch_size}) (the cache's batch size), got min {low} and max {high}"
+            )
+        with torch.inference_mode(False):  # fresh buffers are normal tensors, as in __init__
+            self.k_cache = self.k_cache[index.long()]
+            self.v_cache = self.v_cache[index.long()]
+        self.batch_size = index.numel()
 
     def reset(self) -> None:
         """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""

@@ -266,3 +266,91 @@ def test_a_decision_passed_in_cannot_write_the_cache_under_grad() -> None:
     with torch.inference_mode():
         model(tokens, use_cache=model.uses_cache(3))
     assert model.kv_caches()[0].size == 3
+
+
+@given(
+    setup=decoder_setups(),
+    prompt_len=st.integers(1, 6),
+    decode_steps=st.integers(1, 6),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_rewind_and_continue_equals_never_having_gone_past(
+    setup: dict, prompt_len: int, decode_steps: int, data: st.DataObject, seed: int
+) -> None:
+    """Run to n tokens, rewind to r, feed other tokens: the logits are those of one uncached
+    pass over the first r tokens and the new ones (a rejected draft, rolled back)."""
+    model = tiny_model(seed, **setup)
+    n = prompt_len + decode_steps
+    to = data.draw(st.integers(0, n), label="to")
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 61, (2, n), generator=g)
+    other = torch.randint(0, 61, (2, 3), generator=g)
+    model.setup_caches(2, n + 3)
+    with attn.cached_inference(model):
+        model(tokens[:, :prompt_len])
+        for i in range(prompt_len, n):
+            model(tokens[:, i : i + 1])
+        model.rewind_caches(to)
+        assert {c.size for c in model.kv_caches()} == {to}
+        got = model(other)
+    with torch.no_grad():
+        expected = model(torch.cat((tokens[:, :to], other), 1))[:, to:]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@given(setup=decoder_setups(), copies=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_fork_equals_prefilling_every_copy(setup: dict, copies: int, seed: int) -> None:
+    model = tiny_model(seed, **setup)
+    prompts = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(seed))
+    expanded = prompts.repeat_interleave(copies, 0)  # (2 * copies, 5)
+    model.setup_caches(2 * copies, 8)
+    with attn.cached_inference(model):
+        model(expanded)
+    expected = cache_state(model)
+    model.setup_caches(2, 8)
+    with attn.cached_inference(model):
+        model(prompts)
+    model.fork_caches(copies)
+    assert {c.batch_size for c in model.kv_caches()} == {2 * copies}
+    assert_cache_unchanged(model, expected)
+
+
+def test_cache_operations_check_before_changing_any_layer() -> None:
+    model = tiny_model(4)
+    with pytest.raises(RuntimeError, match=r"caches are not set up: call setup_caches\(\) first"):
+        model.rewind_caches(0)
+    model.setup_caches(2, 8)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (2, 3)))
+    before = cache_state(model)
+    with pytest.raises(ValueError, match=r"cannot rewind to 5: the cache holds 3 tokens"):
+        model.rewind_caches(5)
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 2\)"):
+        model.select_caches([0, 2])
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"num_copies must be a positive int"):
+            model.fork_caches(bad)  # type: ignore[arg-type]
+    assert_cache_unchanged(model, before)
+    assert {c.batch_size for c in model.kv_caches()} == {2}
+
+
+def test_decode_after_rewinds_compiles_nothing_new() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny_model(5)
+    model.setup_caches(1, 16)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    step = torch.tensor([[3]])
+    with attn.cached_inference(model):
+        compiled(torch.tensor([[1, 2, 3, 4]]))
+        first = compiled(step)
+        for to in (2, 3, 1, 2):  # the fill goes 5 -> 2 -> 3 -> 3 -> 4 -> 1 -> 2 -> 2 -> 3
+            model.rewind_caches(to)
+            compiled(step)
+        model.rewind_caches(torch.tensor(0))
+        compiled(torch.tensor([[1, 2, 3, 4]]))
+        again = compiled(step)
+    assert counter.frame_count == 2, counter.frame_count  # the prefill and one decode graph
+    torch.testing.assert_close(again, first, rtol=0, atol=0)

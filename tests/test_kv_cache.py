@@ -96,3 +96,97 @@ def test_dtype_and_casting() -> None:
     k_all, _ = cache.update(k, v)
     assert k_all.dtype == torch.bfloat16
     torch.testing.assert_close(k_all[:, :, :1].float(), k, rtol=1e-2, atol=1e-2)
+
+
+def _filled(batch: int, chunks: list[int], capacity: int) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
+    cache = KVCache(batch, 2, capacity, 4)
+    ks, vs = zip(*(_kv(batch, 2, s, 4, seed=i) for i, s in enumerate(chunks)), strict=True)
+    for k, v in zip(ks, vs, strict=True):
+        cache.update(k, v)
+    return cache, torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def _state(cache: KVCache) -> tuple[torch.Tensor, ...]:
+    return (cache.k_cache.clone(), cache.v_cache.clone(), cache.cache_pos.clone(), cache.last_write.clone())
+
+
+@given(
+    chunks=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    data=st.data(),
+    as_tensor=st.booleans(),
+    more=st.integers(1, 3),
+)
+def test_rewind_then_continue_equals_never_going_past(
+    chunks: list[int], data: st.DataObject, as_tensor: bool, more: int
+) -> None:
+    n = sum(chunks)
+    capacity = n + more
+    cache, k, v = _filled(2, chunks, capacity)
+    to = data.draw(st.integers(0, n), label="to")
+    cache.rewind(torch.tensor(to) if as_tensor else to)
+    fresh = KVCache(2, 2, capacity, 4)
+    if to:
+        fresh.update(k[:, :, :to], v[:, :, :to])
+    fresh.last_write.zero_()
+    for a, b in zip(_state(cache), _state(fresh), strict=True):
+        assert torch.equal(a, b)
+    extra = _kv(2, 2, more, 4, seed=99)
+    cache.update(*extra)
+    fresh.update(*extra)
+    for a, b in zip(_state(cache), _state(fresh), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("fill", "message"),
+    [
+        (4, r"cannot rewind to 4: the cache holds 3 tokens, so a rewind goes to 0..3"),
+        (-1, r"cannot rewind to -1"),
+        (1.5, r"rewind takes an int or a 0-dim integer tensor, got 1.5"),
+        (torch.tensor([1]), r"rewind takes an int or a 0-dim integer tensor, got torch.int64 of shape \(1,\)"),
+    ],
+)
+def test_bad_rewind_changes_nothing(fill: object, message: str) -> None:
+    cache, _, _ = _filled(1, [3], 6)
+    before = _state(cache)
+    with pytest.raises(ValueError, match=message):
+        cache.rewind(fill)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(_state(cache), before, strict=True))
+
+
+@given(rows=st.lists(st.integers(0, 2), min_size=1, max_size=7), as_tensor=st.booleans())
+def test_select_keeps_the_rows_asked_for(rows: list[int], as_tensor: bool) -> None:
+    cache, k, v = _filled(3, [2, 1], 5)
+    cache.select(torch.tensor(rows) if as_tensor else rows)
+    assert cache.batch_size == len(rows) and cache.size == 3
+    assert torch.equal(cache.k_cache[:, :, :3], k[rows]) and torch.equal(cache.v_cache[:, :, :3], v[rows])
+    assert not cache.k_cache[:, :, 3:].any()
+    cache.update(*_kv(len(rows), 2, 1, 4))  # the new batch size is the one updates must have
+    assert cache.size == 4
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([0, 3], r"rows must be in \[0, 3\) \(the cache's batch size\), got min 0 and max 3"),
+        ([-1], r"got min -1 and max -1"),
+        ([], r"rows must be a non-empty 1-D sequence of row indices, got \[\]"),
+        ([[0, 1]], r"non-empty 1-D sequence"),
+        ([0.0], r"non-empty 1-D sequence"),
+    ],
+)
+def test_bad_select_changes_nothing(rows: object, message: str) -> None:
+    cache, _, _ = _filled(3, [2], 4)
+    before = _state(cache)
+    with pytest.raises(ValueError, match=message):
+        cache.select(rows)  # type: ignore[arg-type]
+    assert cache.batch_size == 3
+    assert all(torch.equal(a, b) for a, b in zip(_state(cache), before, strict=True))
+
+
+def test_select_under_inference_mode_keeps_normal_buffers() -> None:
+    cache, _, _ = _filled(2, [2], 4)
+    with torch.inference_mode():
+        cache.select([1, 1, 0])
+    assert not cache.k_cache.is_inference() and not cache.v_cache.is_inference()
+    cache.reset()  # outside inference mode: possible only on normal tensors

@@ -1,5 +1,6 @@
 """Sequences of calls on one model: set up, reset, tear down, cached prefill and decode,
-scoring, training steps, flag toggles and nested context managers, under both policies.
+rewinds and row reorders, scoring, training steps, flag toggles and nested context managers,
+under both policies.
 
 A shadow model of the cache (the tokens it should hold) is checked after every step: fill
 positions, buffers left bit-for-bit alone by passes that must not touch them, and cached
@@ -102,6 +103,32 @@ class CacheMachine(RuleBasedStateMachine):
         with attn.cached_inference(self.model):
             logits = self.model(new)
         self._expect_cached_pass(new, logits)
+
+    @precondition(lambda self: self.model.caches_are_setup())
+    @rule(back=st.integers(0, 6), past_the_fill=st.booleans())
+    def rewind(self, back: int, past_the_fill: bool) -> None:
+        """Rewind ``back`` tokens (a rewind past the fill is refused and changes nothing)."""
+        if past_the_fill:
+            before = cache_state(self.model)
+            try:
+                self.model.rewind_caches(self._fill() + 1 + back)
+            except ValueError as error:
+                assert "cannot rewind to" in str(error)
+            else:
+                raise AssertionError("a rewind past the fill position was not refused")
+            assert_cache_unchanged(self.model, before)
+            return
+        to = max(self._fill() - back, 0)
+        self.model.rewind_caches(to)
+        self.cached = None if to == 0 or self.cached is None else self.cached[:, :to]
+
+    @precondition(lambda self: self.model.caches_are_setup())
+    @rule(swap=st.booleans())
+    def reorder_rows(self, swap: bool) -> None:
+        rows = [1, 0] if swap else [0, 1]
+        self.model.select_caches(rows)
+        if self.cached is not None:
+            self.cached = self.cached[rows]
 
     @rule(n=st.integers(1, 6), seed=st.integers(0, 999), inference_ids=st.booleans())
     def no_grad_scoring(self, n: int, seed: int, inference_ids: bool) -> None:
