@@ -11,7 +11,7 @@ results are cloned out of inference mode: they feed a grad-enabled pass as they 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +109,8 @@ def generate(
     pad_id: int = 0,
     generator: torch.Generator | None = None,
     return_logits: bool = False,
+    on_tokens: Callable[[torch.Tensor], None] | None = None,
+    num_samples: int = 1,
 ) -> GenerationOutput:
     """Generates up to ``max_new_tokens`` after each prompt, using the KV-cache.
 
@@ -116,6 +118,11 @@ def generate(
     and torn down after. If it has caches, they are reset and must fit the batch and the
     length. A row stops after it produces any of ``stop_tokens``; the call ends when every
     row has stopped.
+
+    With ``num_samples`` G > 1 each prompt is prefilled once and its cache rows are copied G
+    times (``fork_caches``) before G continuations are drawn: the output has b x G rows,
+    row ``i * G + j`` the j-th sample of prompt i (what a GRPO group needs), at the cost of
+    b prompt prefills instead of b x G.
 
     Args:
         model: a ``TransformerDecoder`` (or a ``torch.compile`` of one).
@@ -127,6 +134,13 @@ def generate(
         pad_id: id used for left padding and after a row stopped.
         generator: random generator for sampling, for reproducible draws.
         return_logits: also return the (b, N, v) logits of each step.
+        num_samples: continuations per prompt (G); caches set up by the caller must have
+            b x G rows.
+        on_tokens: called after each step with its (b x G,) new tokens (an inference tensor),
+            as they appear in ``generated`` (``pad_id`` for rows that stopped), to stream
+            text as it comes. Reading them (``.tolist()``) is a host sync of the callback's
+            own; steps that do not run (every row stopped) are not reported. None: no call,
+            no sync.
 
     Example::
 
@@ -139,6 +153,9 @@ def generate(
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id, device)  # each (b, P)
     b, P = prompt_tokens.shape
     total = P + max_new_tokens
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    rows = b * num_samples
     if prompt_tokens.min() < 0 or prompt_tokens.max() >= config.vocab_size:
         raise ValueError(
             f"prompt token ids must be in [0, {config.vocab_size}), got min {int(prompt_tokens.min())} "
@@ -154,14 +171,16 @@ def generate(
             )
     else:
         cache = model.kv_caches()[0]
-        if cache.batch_size != b or total > cache.max_seq_len:
+        if cache.batch_size != rows or total > cache.max_seq_len:
             raise ValueError(
-                f"generate: {b} prompts of up to {P} tokens plus max_new_tokens ({max_new_tokens}) "
-                f"need a cache of batch_size {b} and max_seq_len >= {total}, but the model's cache "
-                f"has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
-                f"setup_caches({b}, {total}) or teardown_caches() to let generate make its own"
+                f"generate: {b} prompts x {num_samples} samples of up to {P} prompt tokens plus max_new_tokens "
+                f"({max_new_tokens}) need a cache of batch_size {rows} and max_seq_len >= {total}, but the "
+                f"model's cache has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
+                f"setup_caches({rows}, {total}) or teardown_caches() to let generate make its own"
             )
         model.reset_caches()
+        if num_samples > 1:
+            model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
     if owns_cache:
         model.setup_caches(b, total)
     try:
@@ -176,13 +195,16 @@ def generate(
             pad_id,
             generator,
             return_logits,
+            on_tokens,
+            num_samples,
         )
     finally:
         if owns_cache:
             model.teardown_caches()
     new_tokens, new_mask, logprobs, logits = steps  # inference tensors; clone them out below
-    tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b, P + N)
-    padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b, P + N)
+    prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
+    tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b * G, P + N)
+    padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b * G, P + N)
     return GenerationOutput(
         tokens=tokens,
         padding_mask=padding_mask,
@@ -204,15 +226,15 @@ def _decode(
     pad_id: int,
     generator: torch.Generator | None,
     return_logits: bool,
+    on_tokens: Callable[[torch.Tensor], None] | None,
+    num_samples: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Prefill, then one token a step; returns (b, N) tokens, mask, logprobs, and logits."""
+    """Prefill, fork G ways, then one token a step; returns (b * G, N) tokens, mask,
+    logprobs, and logits."""
     b, P = prompt_tokens.shape
     device = prompt_tokens.device
     num_slots = model.kv_caches()[0].max_seq_len
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
-    new_tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    new_mask = torch.zeros((b, max_new_tokens), dtype=torch.bool, device=device)
-    logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
     all_logits = []
     with cached_inference(model):
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, L)
@@ -222,6 +244,13 @@ def _decode(
         # Ids and capacity were checked up front: the steps make no host reads of their own.
         logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True, checked=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
+        if num_samples > 1:  # every row from here on is one sample: b becomes b * G
+            model.fork_caches(num_samples)
+            logits, key_valid, next_pos = (t.repeat_interleave(num_samples, 0) for t in (logits, key_valid, next_pos))
+            b = b * num_samples
+        new_tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        new_mask = torch.zeros((b, max_new_tokens), dtype=torch.bool, device=device)
+        logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
             if return_logits:
@@ -232,6 +261,8 @@ def _decode(
             logprobs[:, step] = torch.where(done, 0.0, logprob)
             new_mask[:, step] = ~done
             done = done | torch.isin(token, stop_ids)
+            if on_tokens is not None:
+                on_tokens(token)
             if step == max_new_tokens - 1 or (stops and bool(done.all())):  # the one host read a step
                 break
             slot = torch.tensor([P + step], device=device)  # (1,)

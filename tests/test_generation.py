@@ -216,3 +216,85 @@ def test_a_decode_step_makes_at_most_one_host_sync(
         assert out.generated_mask.all()  # no row stopped early: every step ran
         counts.append(counter.count)
     assert (counts[1] - counts[0]) == per_step * 16, counts
+
+
+def test_on_tokens_sees_the_tokens_of_the_output_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's (b,) tokens after stop handling (pad after a row's stop), and no call for
+    the steps skipped once every row stopped; the callback adds no host read of its own."""
+    model = tiny_model(7)
+    prompts = [[1, 2, 3], [4, 5]]
+    free = generate(model, prompts, max_new_tokens=8)
+    stops = [int(free.generated[0, 1]), int(free.generated[1, 4])]  # row 0 stops by step 1, row 1 by step 4
+    seen: list[torch.Tensor] = []
+    out = generate(model, prompts, max_new_tokens=8, stop_tokens=stops, pad_id=60, on_tokens=seen.append)
+    steps = torch.stack(seen, dim=1)  # (b, steps run)
+    last = int(out.generated_mask.any(0).nonzero().max())  # the step at which the last row stopped
+    assert steps.shape == (2, last + 1) and last < 7
+    assert torch.equal(steps, out.generated[:, : last + 1])
+    assert (out.generated[:, last + 1 :] == 60).all() and not out.generated_mask[:, last + 1 :].any()
+    assert (steps[0][~out.generated_mask[0, : last + 1]] == 60).all()  # row 0's pad after its stop, as output
+
+    counter = HostSyncCounter(monkeypatch)
+    generate(model, prompts, max_new_tokens=8, stop_tokens=stops)
+    without, counter.count = counter.count, 0
+    generate(model, prompts, max_new_tokens=8, stop_tokens=stops, on_tokens=seen.append)
+    assert counter.count == without
+
+
+# ---------------------------------------------------------------------------- num_samples
+
+
+@given(prompts=prompts_strategy, steps=st.integers(1, 5), samples=st.integers(1, 3))
+def test_greedy_samples_equal_independent_runs(prompts: list[list[int]], steps: int, samples: int) -> None:
+    """Greedy with G samples: each prompt's G rows equal one greedy run of that prompt."""
+    model = tiny_model(5)
+    out = generate(model, prompts, max_new_tokens=steps, num_samples=samples)
+    alone = generate(model, prompts, max_new_tokens=steps)
+    assert out.tokens.shape == (len(prompts) * samples, alone.tokens.shape[1])
+    for name in ("tokens", "padding_mask", "positions"):
+        assert torch.equal(getattr(out, name), getattr(alone, name).repeat_interleave(samples, 0)), name
+    torch.testing.assert_close(out.logprobs, alone.logprobs.repeat_interleave(samples, 0), rtol=1e-5, atol=1e-5)
+    assert not model.caches_are_setup()
+
+
+def test_sampled_groups_are_reproducible_and_their_logprobs_rescore() -> None:
+    model = tiny_model(12)
+    prompts = [[3, 4, 5, 6], [8, 9]]
+
+    def draw(seed: int) -> attn.GenerationOutput:
+        g = torch.Generator().manual_seed(seed)
+        return generate(model, prompts, max_new_tokens=6, temperature=1.5, num_samples=4, generator=g)
+
+    first, again, other = draw(0), draw(0), draw(1)
+    assert torch.equal(first.tokens, again.tokens) and not torch.equal(first.tokens, other.tokens)
+    assert len({tuple(row) for row in first.generated[:4].tolist()}) > 1, "the 4 samples of a prompt all agree"
+    with torch.no_grad():
+        logits = model(first.tokens, input_pos=first.positions, mask=padded_causal_mask(first.padding_mask))
+    predicting = logits[:, first.prompt_length - 1 : -1].float() / 1.5
+    expected = predicting.log_softmax(-1).gather(-1, first.generated[..., None]).squeeze(-1)
+    torch.testing.assert_close(first.logprobs, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_samples_with_user_caches_of_every_row() -> None:
+    model = tiny_model(13)
+    model.setup_caches(4, 12)
+    out = generate(model, [[1, 2, 3], [4]], max_new_tokens=5, num_samples=2)
+    expected = generate(tiny_model(13), [[1, 2, 3], [4]], max_new_tokens=5)
+    assert torch.equal(out.tokens, expected.tokens.repeat_interleave(2, 0))
+    assert {c.batch_size for c in model.kv_caches()} == {4}  # as the caller set them up
+    with pytest.raises(ValueError, match=r"2 prompts x 3 samples .* need a cache of batch_size 6"):
+        generate(model, [[1, 2, 3], [4]], max_new_tokens=5, num_samples=3)
+    for bad in (0, 1.0, True):
+        with pytest.raises(ValueError, match=r"num_samples must be a positive int"):
+            generate(model, [[1]], max_new_tokens=2, num_samples=bad)  # type: ignore[arg-type]
+
+
+def test_compiled_samples_compile_a_prefill_and_one_decode_graph() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny_model(14)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    out = generate(compiled, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3)
+    assert counter.frame_count == 2, counter.frame_count  # prefill (2 rows) + decode (6 rows)
+    assert torch.equal(out.tokens, generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3).tokens)
