@@ -14,6 +14,7 @@ from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import GenerationOutput, generate
 from attn.kv_cache import KVCache
 from attn.masks import padded_causal_mask, padding_positions
+from attn.scoring import ContinuationScore, score_continuations
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CachePolicy",
     "CompatWarning",
+    "ContinuationScore",
     "DecoderConfig",
     "GenerationOutput",
     "KVCache",
@@ -46,4 +48,5 @@ __all__ = [
     "local_kv_cache",
     "padded_causal_mask",
     "padding_positions",
+    "score_continuations",
 ]
