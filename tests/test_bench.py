@@ -163,3 +163,33 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--cells", "small:fp64:1:1"])
     assert "is not CONFIG:DTYPE:BATCH:THREADS" in capsys.readouterr().err
+
+
+def test_workloads_run_both_sides_and_check_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from attn.bench.workloads import WorkloadSpec, format_workloads, run_workloads
+
+    spec = WorkloadSpec(
+        attn.DecoderConfig(max_seq_len=8, **TINY),  # run_workloads widens it to fit
+        prompts=2,
+        samples=3,
+        prompt_len=7,
+        new_tokens=4,
+        questions=2,
+        choices=3,
+        context_len=9,
+        continuation_len=2,
+        repeats=1,
+    )
+    results = run_workloads(spec)
+    assert [r.name for r in results] == ["grpo", "scoring"]
+    assert all(r.agree for r in results), [r.detail for r in results]
+    assert all(r.ours_s.median > 0 and r.theirs_s.median > 0 for r in results)
+    table = format_workloads(results, "test machine")
+    assert "grpo: B=2 x G=3, prompt 7, 4 new" in table and "6/6 rows equal" in table
+    assert "scoring: 2 questions x 3 choices, context 9, continuation 2" in table
+
+
+def test_workloads_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--workloads", "--config", "tiny", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "read bandwidth" in out and "speedup" in out and "DIFFER" not in out

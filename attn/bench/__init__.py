@@ -12,6 +12,7 @@ Example::
     python -m attn bench --config base --dtype fp32,bf16 --batch 1,8 --threads 1,2
     python -m attn bench --config tiny --repeats 1 --prompt-len 8 --new-tokens 8 --no-memory
     python -m attn bench --json bench.json --plot bench.png
+    python -m attn bench --workloads                    # GRPO fork and shared-context scoring
 """
 
 from __future__ import annotations
@@ -129,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-std", type=float, default=0.05, help="std of random weights (default 0.05)")
     parser.add_argument("--json", type=Path, help="write every measurement as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency per token against position here")
+    parser.add_argument(
+        "--workloads",
+        action="store_true",
+        help=(
+            "instead of decode speed: GRPO sampling with a forked prefill against the B x G expansion, and "
+            "shared-context scoring against full passes (first --config/--dtype/--threads; default small fp32 1)"
+        ),
+    )
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process
     return parser
 
@@ -238,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(json.dumps(memory_probe(json.loads(args.memory_probe))))
         return 0
+    if args.workloads:
+        return _run_workloads(args, parser)
     try:
         spec = _spec(args)
     except ValueError as error:
@@ -251,3 +262,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(result, args.json)
         print(f"JSON written to {args.json}")
     return 1 if any(row.check_ok is False for row in result.rows) else 0
+
+
+def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from attn.bench.measure import read_bandwidth
+    from attn.bench.run import _machine
+    from attn.bench.workloads import WorkloadSpec, format_workloads, run_workloads
+
+    try:
+        _, config, _ = _resolve_config(_split_config((args.config or ["small"])[0])[0], 0)
+    except ValueError as error:
+        parser.error(str(error))
+    dtype = _DTYPES.get((args.dtype or "fp32").split(",")[0].strip())
+    if dtype is None:
+        parser.error(f"unknown --dtype {args.dtype!r}; choose from {', '.join(_DTYPES)}")
+    threads = (args.threads or [1])[0]
+    bandwidth, _ = read_bandwidth(threads)
+    machine = f"{_machine()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, {short_name(dtype)}"
+    results = run_workloads(
+        WorkloadSpec(config, dtype=dtype, threads=threads, repeats=max(args.repeats, 1), seed=args.seed)
+    )
+    print(format_workloads(results, machine))
+    return 0 if all(r.agree for r in results) else 1

@@ -1,0 +1,200 @@
+"""``python -m attn bench --workloads``: the two RL/eval workloads a cache can save work in,
+each timed against the way recipes run them today, side by side in one process.
+
+- ``grpo``: B prompts x G samples. ``generate(num_samples=G)`` prefills each prompt once and
+  forks its cache rows, against ``generate`` on the prompts repeated G times (the B x G
+  expansion GRPO recipes use). Sampled at temperature 1 from one seed per run.
+- ``scoring``: a multiple-choice log-likelihood task, N questions of K continuations each.
+  ``score_continuations`` prefills each context once, against scoring the K
+  ``context + continuation`` rows in one right-padded uncached pass per question (what an
+  evaluation harness does).
+
+Both sides use the same weights, eager, the same threads; each repeat runs both, alternating,
+and the figures are medians. Outputs are checked against each other: greedy tokens equal
+(grpo, with a greedy run), scores within fp32 tolerance (scoring).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from attn.bench.contenders import init_weights
+from attn.bench.measure import Stats
+from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.generation import generate
+from attn.scoring import score_continuations
+
+__all__ = ["WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What ``run_workloads`` measures.
+
+    Attributes:
+        config: the model (random weights, ``init_std``).
+        dtype: parameter dtype.
+        threads: torch intra-op threads.
+        prompts, samples, prompt_len, new_tokens: the grpo workload (B, G, P, N).
+        questions, choices, context_len, continuation_len: the scoring workload (N, K, C, m).
+        repeats: timed runs of each side.
+    """
+
+    config: DecoderConfig
+    dtype: torch.dtype = torch.float32
+    threads: int = 1
+    prompts: int = 2
+    samples: int = 8
+    prompt_len: int = 256
+    new_tokens: int = 64
+    questions: int = 8
+    choices: int = 4
+    context_len: int = 256
+    continuation_len: int = 4
+    repeats: int = 3
+    init_std: float = 0.05
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadResult:
+    """One workload: the seconds of each side, and whether their outputs agree."""
+
+    name: str
+    shape: str
+    ours: str
+    theirs: str
+    ours_s: Stats
+    theirs_s: Stats
+    agree: bool
+    detail: str
+
+    @property
+    def speedup(self) -> float:
+        return self.theirs_s.median / self.ours_s.median
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[Stats, Stats]:
+    ours(), theirs()  # warm-up: allocator, first-call overheads
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        times[0].append(_timed(ours))
+        times[1].append(_timed(theirs))
+    return Stats.of(times[0]), Stats.of(times[1])
+
+
+def _grpo(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
+    B, G = spec.prompts, spec.samples
+    prompts = torch.randint(1, spec.config.vocab_size, (B, spec.prompt_len), generator=generator)
+    expanded = prompts.repeat_interleave(G, 0)  # (B * G, P)
+
+    def sample(batch: torch.Tensor, num_samples: int) -> Callable[[], object]:
+        return lambda: generate(
+            model,
+            batch,
+            max_new_tokens=spec.new_tokens,
+            temperature=1.0,
+            num_samples=num_samples,
+            generator=torch.Generator().manual_seed(spec.seed),
+        )
+
+    ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
+    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G)
+    plain = generate(model, expanded, max_new_tokens=spec.new_tokens)
+    mismatched = int((forked.generated != plain.generated).any(-1).sum())
+    return WorkloadResult(
+        name="grpo",
+        shape=f"B={B} x G={G}, prompt {spec.prompt_len}, {spec.new_tokens} new",
+        ours="generate(num_samples=G): prefill B, fork",
+        theirs="generate on B x G repeated prompts",
+        ours_s=ours,
+        theirs_s=theirs,
+        agree=mismatched == 0,
+        detail=f"greedy tokens: {B * G - mismatched}/{B * G} rows equal",
+    )
+
+
+def _per_question_full_passes(
+    model: TransformerDecoder, context: list[int], continuations: list[list[int]]
+) -> list[float]:
+    """The baseline: K rows ``context + continuation``, right-padded, one uncached pass."""
+    width = len(context) + max(map(len, continuations))
+    rows = torch.zeros((len(continuations), width), dtype=torch.long)  # (K, C + m)
+    for i, continuation in enumerate(continuations):
+        rows[i, : len(context) + len(continuation)] = torch.tensor(context + continuation)
+    with torch.no_grad():
+        logprobs = model(rows)[:, len(context) - 1 : -1].float().log_softmax(-1)  # (K, m, v)
+    return [
+        float(logprobs[i, : len(c)].gather(-1, torch.tensor(c)[:, None]).sum()) for i, c in enumerate(continuations)
+    ]
+
+
+def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
+    vocab = spec.config.vocab_size
+    questions = [
+        (
+            torch.randint(1, vocab, (spec.context_len,), generator=generator).tolist(),
+            torch.randint(1, vocab, (spec.choices, spec.continuation_len), generator=generator).tolist(),
+        )
+        for _ in range(spec.questions)
+    ]
+
+    def shared() -> list[list[float]]:
+        return [[s.logprob for s in score_continuations(model, c, k)] for c, k in questions]
+
+    def full() -> list[list[float]]:
+        return [_per_question_full_passes(model, c, k) for c, k in questions]
+
+    ours, theirs = _alternate(shared, full, spec.repeats)
+    got, expected = torch.tensor(shared()), torch.tensor(full())
+    error = float((got - expected).abs().max())
+    close = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    same_choice = bool((got.argmax(-1) == expected.argmax(-1)).all())
+    return WorkloadResult(
+        name="scoring",
+        shape=f"{spec.questions} questions x {spec.choices} choices, context {spec.context_len}, "
+        f"continuation {spec.continuation_len}",
+        ours="score_continuations: context once",
+        theirs="K context+continuation rows, one pass",
+        ours_s=ours,
+        theirs_s=theirs,
+        agree=close and same_choice,
+        detail=f"largest score difference {error:.2e}; same choice on every question: {same_choice}",
+    )
+
+
+def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
+    """Measures both workloads on one model with random weights."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        max_len = max(spec.prompt_len + spec.new_tokens, spec.context_len + spec.continuation_len)
+        config = spec.config if spec.config.max_seq_len >= max_len else replace(spec.config, max_seq_len=max_len)
+        model = TransformerDecoder(config)
+        init_weights(model, spec.init_std, spec.seed)
+        model = model.to(spec.dtype).eval()
+        generator = torch.Generator().manual_seed(spec.seed)
+        return [_grpo(model, spec, generator), _scoring(model, spec, generator)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def format_workloads(results: list[WorkloadResult], machine: str) -> str:
+    """A plain-text table: one line per side, the speedup, and the agreement check."""
+    lines = [f"Workloads ({machine}); seconds per workload run, median (min-max)"]
+    for r in results:
+        lines.append(f"\n{r.name}: {r.shape}")
+        for label, stats in ((r.ours, r.ours_s), (r.theirs, r.theirs_s)):
+            lines.append(f"  {label:<44} {stats.median:8.3f} s ({stats.min:.3f}-{stats.max:.3f})")
+        lines.append(f"  speedup {r.speedup:.2f}x; outputs {'agree' if r.agree else 'DIFFER'}: {r.detail}")
+    return "\n".join(lines)
