@@ -6,8 +6,11 @@ Hypothesis profiles: ``default`` (fast, for CI) and ``long`` (more examples); pi
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +110,47 @@ def policy(request: pytest.FixtureRequest, restore_policy: None) -> CachePolicy:
         warnings.simplefilter("ignore", attn.CompatWarning)
         compat.set_cache_policy(request.param)
     return request.param
+
+
+# A small chat format for the tokenizer files below: BOS once, one marker per role.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ("<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
+TOKENIZER_CORPUS = (
+    "Hello world, the quick brown fox jumps over the lazy dog.",
+    "Caf\u00e9 au lait, \u65e5\u672c \U0001f642",
+)
+
+
+def write_tokenizer_files(
+    directory: str | os.PathLike[str], *, chat_template: Any = CHAT_TEMPLATE, **config: Any
+) -> Any:
+    """Writes a tiny byte-level BPE ``tokenizer.json`` (320 ids; its post-processor adds
+    ``<s>``, as Llama 3's does) and a ``tokenizer_config.json`` into ``directory``, and
+    returns the ``tokenizers.Tokenizer``. ``config`` entries go into tokenizer_config.json;
+    ``chat_template=None`` leaves the template out. Needs the ``tokenizers`` package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(TOKENIZER_CORPUS) * 20, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    fields = {"bos_token": "<s>", "eos_token": "</s>", **config}
+    if chat_template is not None:
+        fields["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(fields, indent=2))
+    return tokenizer

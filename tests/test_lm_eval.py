@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from attn.compat import CachePolicy  # noqa: E402
 from attn.integrations.lm_eval import AttnLM, TokenizerFile  # noqa: E402
 from tests.conftest import assert_cache_unchanged, cache_state, tiny_model  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
 EOS = 0
 BATCH = 4
@@ -175,6 +178,25 @@ class RecordingLM(AttnLM):
         return results
 
 
+CHECKPOINT_SEED = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``_model(CHECKPOINT_SEED)`` saved as a Hugging Face directory, with a tokenizer.json
+    that tokenizes as ``CharTokenizer`` does, and EOS in config.json."""
+    tokenizers = pytest.importorskip("tokenizers")  # AttnLM's TokenizerFile reads tokenizer.json with it
+    directory = save_pretrained(_model(seed=CHECKPOINT_SEED), tmp_path_factory.mktemp("ckpt"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": EOS}))
+    vocab = {"<eos>": EOS, **{chr(i): i for i in range(1, VOCAB)}}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")  # one token per character
+    tokenizer.decoder = tokenizers.decoders.Fuse()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 # ---------------------------------------------------------------------------- end to end
 
 
@@ -301,25 +323,13 @@ def test_generate_until_is_attn_generate_cut_at_stops() -> None:
 
 @pytest.mark.slow
 def test_registered_name_loads_a_checkpoint(
-    tmp_path: Path, task_root: Path, task_manager: TaskManager, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    checkpoint: Path,
+    task_root: Path,
+    task_manager: TaskManager,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    tokenizers = pytest.importorskip("tokenizers")  # AttnLM's TokenizerFile reads tokenizer.json with it
-    Tokenizer, decoders, models, pre_tokenizers = (
-        tokenizers.Tokenizer,
-        tokenizers.decoders,
-        tokenizers.models,
-        tokenizers.pre_tokenizers,
-    )
-
-    model = _model(seed=6)
-    directory = save_pretrained(model, tmp_path / "ckpt")
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": EOS}))
-    vocab = {"<eos>": EOS, **{chr(i): i for i in range(1, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(directory / "tokenizer.json"))
+    model, directory = _model(seed=CHECKPOINT_SEED), checkpoint
     file_tokenizer = TokenizerFile(directory)
     assert file_tokenizer.encode("Hi there") == CharTokenizer().encode("Hi there")
 
@@ -339,6 +349,121 @@ def test_registered_name_loads_a_checkpoint(
     (written,) = output.rglob("results_*.json")
     accuracy = json.loads(written.read_text())["results"][MC]["acc,none"]
     assert accuracy == by_object["results"][MC]["acc,none"]
+
+
+@pytest.mark.slow
+def test_the_documented_command_in_a_process_of_its_own(
+    tmp_path: Path, checkpoint: Path, task_root: Path, task_manager: TaskManager
+) -> None:
+    """README's command, batch_size in --model_args, in a subprocess: the harness passes its
+    own batch_size (1) beside it, which once raised "got multiple values for keyword argument"."""
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "attn", "lm-eval", "run", "--model", "attn"]
+    command += ["--model_args", f"pretrained={checkpoint},batch_size={BATCH}", "--tasks", f"{MC},{GEN}"]
+    command += ["--include_path", str(task_root), "--device", "cpu", "--output_path", str(output)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert MC in proc.stdout and GEN in proc.stdout  # the results table
+    (written,) = output.rglob("results_*.json")
+    results = json.loads(written.read_text())["results"]
+    expected = _evaluate(
+        AttnLM(_model(seed=CHECKPOINT_SEED), CharTokenizer(), batch_size=BATCH), [MC, GEN], task_manager
+    )
+    assert results[MC]["acc,none"] == expected["results"][MC]["acc,none"]
+    assert results[GEN]["exact_match,none"] == expected["results"][GEN]["exact_match,none"]
+
+
+def test_batch_size_from_model_args_or_from_the_harness(checkpoint: Path) -> None:
+    """What lm-eval's command line passes: model_args, and its own batch_size (1 when not
+    given), max_batch_size and device (cuda:0 when not given)."""
+    create = lm_eval.api.registry.get_model("attn").create_from_arg_string
+    harness_default = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}
+    assert create(f"pretrained={checkpoint},batch_size=8", harness_default).batch_size == 8  # model_args wins
+    assert create(f"pretrained={checkpoint}", {**harness_default, "batch_size": "4"}).batch_size == 4
+    assert create(f"pretrained={checkpoint},batch_size=4", {**harness_default, "batch_size": "4"}).batch_size == 4
+    assert create(f"pretrained={checkpoint}", {}).batch_size == 8  # AttnLM's own default
+    lm = AttnLM.create_from_arg_obj({"pretrained": checkpoint, "device": "cpu"}, {"batch_size": 1, "device": "cuda:0"})
+    assert lm.batch_size == 1 and lm._device == torch.device("cpu")  # the harness's default device gives way
+    with pytest.raises(ValueError, match=r"batch_size is given twice, 8 in model_args and '4' by the harness"):
+        create(f"pretrained={checkpoint},batch_size=8", {**harness_default, "batch_size": "4"})
+    with pytest.raises(ValueError, match=r"max_batch_size \(16\) applies to batch_size 'auto', which AttnLM does not"):
+        create(f"pretrained={checkpoint}", {**harness_default, "max_batch_size": 16})
+
+
+def test_batch_size_in_model_args_reaches_the_batches(
+    checkpoint: Path, task_manager: TaskManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sizes: list[int] = []
+    score_batch = AttnLM._score_batch
+
+    def recording(self: AttnLM, rows: list[Any]) -> list[tuple[float, bool]]:
+        sizes.append(len(rows))
+        return score_batch(self, rows)
+
+    monkeypatch.setattr(AttnLM, "_score_batch", recording)
+    _evaluate(
+        "attn", [MC], task_manager, model_args=f"pretrained={checkpoint},batch_size=3", batch_size=1, device="cpu"
+    )
+    choices = sum(len(doc["choices"]) for doc in MC_DOCS)
+    assert max(sizes) == 3 and sum(sizes) == choices, sizes
+
+
+def test_tokenizer_file_comes_from_attn_tokenizer(checkpoint: Path) -> None:
+    import attn.tokenizer
+
+    assert TokenizerFile is attn.tokenizer.TokenizerFile
+    lm = AttnLM(pretrained=checkpoint)
+    assert isinstance(lm.tokenizer, attn.tokenizer.TokenizerFile) and lm.eot_token_id == EOS
+    assert lm.tok_encode("Hi") == [ord("H"), ord("i")]  # no BOS: the file names none
+
+
+class StopsAndBos(CharTokenizer):
+    """A CharTokenizer with a second stop id, a BOS, and BOS on by default (as a Llama TokenizerFile)."""
+
+    bos_token_id = 1
+    add_bos_token = True
+
+    def __init__(self, second_stop: int) -> None:
+        self.eos_token_ids = [EOS, second_stop]
+
+
+def test_generation_stops_at_any_eos_id_and_bos_follows_the_tokenizer() -> None:
+    model = _model(seed=7)
+    prompt = "Once upon"
+    ids = [1, *CharTokenizer().encode(prompt)]
+    free = attn.generate(model, [ids], max_new_tokens=16).generated[0].tolist()
+    stop = free[4]
+    tokenizer = StopsAndBos(stop)
+    lm = AttnLM(model, tokenizer, batch_size=2)
+    assert lm.add_bos_token and lm.tok_encode(prompt) == ids
+    assert AttnLM(model, tokenizer, add_bos_token=False).tok_encode(prompt)[0] != 1
+    (text,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 16}), 0)])
+    assert text == tokenizer.decode(free[: free.index(stop)])
+
+
+def test_requests_are_batched_by_their_options_and_come_back_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval's Collator: equal options share a batch, longest prompt first; the results
+    are in the harness's order and equal each request generated alone."""
+    model = _model(seed=8)
+    tok = CharTokenizer()
+    lm = AttnLM(model, tok, batch_size=2)
+    first, second = {"until": ["q"], "max_gen_toks": 8}, {"until": ["z"], "max_gen_toks": 5}
+    requests = [("Hi", first), ("Hello there", second), ("Once upon a time", first), ("Yo", second), ("ab", first)]
+    calls: list[tuple[list[int], int]] = []
+    generate_batch = AttnLM._generate
+
+    def recording(self: AttnLM, prompts: list[list[int]], max_new: int, options: Any) -> list[str]:
+        calls.append(([len(p) for p in prompts], max_new))
+        return generate_batch(self, prompts, max_new, options)
+
+    monkeypatch.setattr(AttnLM, "_generate", recording)
+    texts = lm.generate_until([Instance("generate_until", {}, (c, dict(k)), i) for i, (c, k) in enumerate(requests)])
+    assert calls == [([16, 2], 8), ([2], 8), ([11, 2], 5)]
+    for (context, options), text in zip(requests, texts, strict=True):
+        out = attn.generate(model, [tok.encode(context)], max_new_tokens=options["max_gen_toks"], stop_tokens=[EOS])
+        expected = tok.decode(out.generated[0][out.generated_mask[0]].tolist()).split(options["until"][0], 1)[0]
+        assert text == expected
 
 
 # ---------------------------------------------------------------------------- errors

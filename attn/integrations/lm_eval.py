@@ -14,6 +14,9 @@ How each request type treats the KV-cache:
   never read or write it, whatever ran before (a generation task first, a cache the user set up).
   Left-padded batches use ``attn.padded_causal_mask`` and ``attn.padding_positions``.
 
+Requests are ordered and batched by lm-eval's own ``Collator`` (longest first; generation
+requests grouped by their options), and results come back in the harness's order.
+
 Example::
 
     import lm_eval
@@ -22,25 +25,23 @@ Example::
     lm = AttnLM(attn.load_pretrained("/models/my-llama"), my_tokenizer, batch_size=8)
     results = lm_eval.simple_evaluate(model=lm, tasks=["my_task"])
 
-    # or by name, with the tokenizer.json of the checkpoint directory:
-    results = lm_eval.simple_evaluate(model="attn", model_args="pretrained=/models/my-llama")
+    # or by name, with the checkpoint directory's tokenizer (attn.tokenizer.TokenizerFile):
+    results = lm_eval.simple_evaluate(model="attn", model_args="pretrained=/models/my-llama,batch_size=8")
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import lm_eval.models  # noqa: F401 (fills the registry's built-in names before ours is added)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import normalize_gen_kwargs
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.models.utils import Collator, normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from attn.checkpoint import load_pretrained
@@ -48,16 +49,18 @@ from attn.context import disable_kv_cache
 from attn.decoder import TransformerDecoder
 from attn.generation import generate
 from attn.masks import left_pad, padded_causal_mask, padding_positions
+from attn.tokenizer import TokenizerFile  # re-exported: attn.integrations.lm_eval.TokenizerFile still works
 
 __all__ = ["AttnLM", "Tokenizer", "TokenizerFile"]
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What ``AttnLM`` needs from a tokenizer.
+    """What ``AttnLM`` needs from a tokenizer (``attn.tokenizer.TokenizerFile`` is one).
 
-    ``encode`` adds no special tokens (``AttnLM`` adds BOS itself when asked);
-    ``bos_token_id`` is optional (an attribute that may be missing or None).
+    ``encode`` adds no special tokens (``AttnLM`` adds BOS itself when asked). Optional
+    attributes: ``bos_token_id`` (may be missing or None), ``eos_token_ids`` (more ids that
+    end a generation) and ``add_bos_token`` (the default of ``AttnLM(add_bos_token=)``).
     """
 
     eos_token_id: int
@@ -69,59 +72,6 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``."""
         ...
-
-
-class TokenizerFile:
-    """The ``Tokenizer`` protocol over a Hugging Face ``tokenizer.json``.
-
-    Reads the file with the ``tokenizers`` library (no ``transformers``); takes the EOS and
-    BOS ids from the arguments, else from ``config.json`` beside the file.
-
-    Args:
-        path: a ``tokenizer.json`` file, or a checkpoint directory holding one.
-        eos_token_id: overrides config.json's ``eos_token_id``.
-        bos_token_id: overrides config.json's ``bos_token_id``.
-    """
-
-    def __init__(
-        self, path: str | os.PathLike[str], *, eos_token_id: int | None = None, bos_token_id: int | None = None
-    ) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
-
-        file = Path(path)
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"{file} not found: pass a tokenizer.json file or a directory holding one, or pass "
-                "a tokenizer object to AttnLM(tokenizer=...)"
-            )
-        self._tokenizer = _Tokenizer.from_file(str(file))
-        config_path = file.parent / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        eos = eos_token_id if eos_token_id is not None else _first_id(config.get("eos_token_id"))
-        if eos is None:
-            raise ValueError(
-                f"no EOS token id for {file}: {config_path} names none; pass TokenizerFile(..., eos_token_id=ID)"
-            )
-        self.eos_token_id: int = eos
-        self.bos_token_id: int | None = (
-            bos_token_id if bos_token_id is not None else _first_id(config.get("bos_token_id"))
-        )
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, without special tokens."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``, special tokens dropped."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
 
 
 @dataclass(frozen=True)
@@ -140,7 +90,21 @@ class _GenerationOptions:
     top_k: int | None
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """One generation request, ready to batch."""
+
+    ids: list[int]  # (s,) the context's last tokens that fit
+    gen_kwargs: dict[str, Any]  # the task's options as given: requests with equal ones share a batch
+    options: _GenerationOptions
+    max_new: int
+    args: tuple[str, dict[str, Any]]  # the request's arguments, for the harness's cache
+
+
 _GENERATION_KEYS = frozenset({"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
+
+# The settings lm-eval's command line always passes, with its defaults when not given.
+_HARNESS_DEFAULTS = {"batch_size": 1, "device": "cuda:0"}
 
 
 @register_model("attn")
@@ -148,14 +112,21 @@ class AttnLM(TemplateLM):
     """Evaluates a ``TransformerDecoder`` with lm-evaluation-harness.
 
     Pass a model and a tokenizer object, or ``pretrained=`` a checkpoint directory (loaded
-    with ``attn.load_pretrained``; its ``tokenizer.json`` is the tokenizer unless
-    ``tokenizer`` says otherwise). The second form is what ``model="attn"`` with
-    ``model_args="pretrained=/path,batch_size=8"`` builds.
+    with ``attn.load_pretrained``; its tokenizer files, read by ``attn.tokenizer.TokenizerFile``,
+    are the tokenizer unless ``tokenizer`` says otherwise). The second form is what
+    ``model="attn"`` with ``model_args="pretrained=/path,batch_size=8"`` builds.
+
+    From the harness (``--model attn``), ``batch_size`` and ``device`` may come from
+    ``--model_args`` or from the harness's own ``--batch_size`` / ``--device``. The harness
+    always passes its own, with its defaults (1, cuda:0) when they were not given, so a
+    value in ``--model_args`` wins; a harness value that differs from it and from the
+    harness's default is refused as a conflict (see ``create_from_arg_obj``).
 
     Args:
         model: a ``TransformerDecoder``, or a ``torch.compile`` of one.
         tokenizer: an object with ``encode``, ``decode`` and ``eos_token_id`` (see
-            ``Tokenizer``), or a path to a ``tokenizer.json``.
+            ``Tokenizer``), or a checkpoint directory or ``tokenizer.json`` path (read with
+            ``TokenizerFile``). Generation stops at any of its ``eos_token_ids``.
         pretrained: a checkpoint directory, instead of ``model``.
         batch_size: rows per forward pass (scoring) and per ``generate`` call.
         device: where to load ``pretrained``; must be None with a model object.
@@ -163,7 +134,9 @@ class AttnLM(TemplateLM):
         max_gen_toks: tokens to generate when a task names no limit.
         max_length: longest sequence a request may use (default: the model's
             ``max_seq_len``); longer contexts keep their last tokens.
-        add_bos_token: prepend the tokenizer's ``bos_token_id`` to every context.
+        add_bos_token: prepend the tokenizer's ``bos_token_id`` to every context. None:
+            the tokenizer's ``add_bos_token`` (a ``TokenizerFile`` reads it from the
+            checkpoint: True for Llama), False for a tokenizer without one.
         seed: seed of the generator used when a task samples (``do_sample``).
     """
 
@@ -178,7 +151,7 @@ class AttnLM(TemplateLM):
         dtype: str | torch.dtype | None = None,
         max_gen_toks: int = 256,
         max_length: int | None = None,
-        add_bos_token: bool = False,
+        add_bos_token: bool | None = None,
         seed: int = 1234,
     ) -> None:
         super().__init__()
@@ -218,10 +191,49 @@ class AttnLM(TemplateLM):
         self._max_length = limit if max_length is None else _positive_int("max_length", max_length)
         if self._max_length > limit:
             raise ValueError(f"max_length ({self._max_length}) exceeds the model's max_seq_len ({limit})")
+        if add_bos_token is None:
+            add_bos_token = getattr(tokenizer, "add_bos_token", False)
         self.add_bos_token = bool(add_bos_token)
+        eos_ids = [tokenizer.eos_token_id, *(getattr(tokenizer, "eos_token_ids", None) or [])]
+        self._stop_ids = list(dict.fromkeys(int(i) for i in eos_ids))
         self._device = decoder.tok_embeddings.weight.device
         self._vocab_size = decoder.config.vocab_size
         self._generator = torch.Generator(device=self._device).manual_seed(int(seed))
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> AttnLM:
+        """``model_args`` as a string (``"pretrained=DIR,batch_size=8"``); see ``create_from_arg_obj``."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: Mapping[str, Any], additional_config: Mapping[str, Any] | None = None
+    ) -> AttnLM:
+        """Builds the model from ``model_args`` and the harness's own settings.
+
+        The harness passes ``batch_size``, ``max_batch_size`` and ``device`` beside
+        ``model_args`` (lm-eval's own merge passes a key given in both twice, a TypeError).
+        Here a ``model_args`` value wins over the harness's default (batch size 1, device
+        cuda:0: the command line passes them when not given); two different explicit values
+        are refused. ``max_batch_size`` is for ``batch_size=auto``, which AttnLM has not.
+        """
+        args = dict(arg_dict)
+        harness = {key: value for key, value in (additional_config or {}).items() if value is not None}
+        max_batch_size = harness.pop("max_batch_size", None)
+        if max_batch_size is not None:
+            raise ValueError(
+                f"max_batch_size ({max_batch_size}) applies to batch_size 'auto', which AttnLM does not have; "
+                "drop --max_batch_size and pass a batch size (--batch_size N or model_args batch_size=N)"
+            )
+        for key, value in harness.items():
+            if key not in args:
+                args[key] = value
+            elif str(value) not in (str(args[key]), str(_HARNESS_DEFAULTS.get(key))):
+                raise ValueError(
+                    f"{key} is given twice, {args[key]!r} in model_args and {value!r} by the harness "
+                    f"(--{key}); give it once"
+                )
+        return cls(**args)
 
     # -- the harness's hooks -----------------------------------------------------------
 
@@ -280,23 +292,28 @@ class AttnLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        results = [""] * len(requests)  # every slot is filled below
-        groups: dict[str, list[int]] = {}
-        for i, request in enumerate(requests):
-            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
-        progress = tqdm(total=len(requests), desc="attn generate_until", disable=disable_tqdm)
-        for indices in groups.values():
-            options = self._generation_options(requests[indices[0]].args[1])
+        prompts = []
+        for request in requests:
+            context, gen_kwargs = request.args
+            options = self._generation_options(gen_kwargs)
             max_new, budget = self._generation_budget(options.max_gen_toks)
-            prompts = {i: self._prompt(requests[i].args[0], budget) for i in indices}
-            order = sorted(indices, key=lambda i: (-len(prompts[i]), i))
-            for chunk in _chunks(order, self._generation_batch_size()):
-                for i, text in zip(chunk, self._generate([prompts[i] for i in chunk], max_new, options), strict=True):
-                    results[i] = text
-                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
-                progress.update(len(chunk))
+            prompts.append(_Prompt(self._prompt(context, budget), gen_kwargs, options, max_new, request.args))
+        # Equal options in a batch, longest prompt first (ties in the harness's order).
+        collator = Collator(
+            prompts, sort_fn=lambda prompt: -len(prompt.ids), group_by="gen_kwargs", group_fn=lambda p: p.gen_kwargs
+        )
+        texts: list[str] = []
+        progress = tqdm(total=len(requests), desc="attn generate_until", disable=disable_tqdm)
+        for batch in collator.get_batched(n=self._generation_batch_size()):
+            first = batch[0]
+            for prompt, text in zip(
+                batch, self._generate([p.ids for p in batch], first.max_new, first.options), strict=True
+            ):
+                texts.append(text)
+                self.cache_hook.add_partial("generate_until", prompt.args, text)
+            progress.update(len(batch))
         progress.close()
-        return results
+        return collator.get_original(texts)
 
     # -- scoring -----------------------------------------------------------------------
 
@@ -304,14 +321,17 @@ class AttnLM(TemplateLM):
         """(sum of log-probabilities, is greedy) of each continuation after its context."""
         rows = [self._scored_row(context, continuation) for context, continuation in pairs]
         # Longest first, ties by content: the batches depend only on the set of requests.
-        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].inputs), rows[i].inputs))
-        results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
-        for chunk in tqdm(
-            list(_chunks(order, self.batch_size)), desc="attn loglikelihood", disable=disable_tqdm or len(rows) == 0
+        collator = Collator(rows, sort_fn=lambda row: (-len(row.inputs), row.inputs))
+        results: list[tuple[float, bool]] = []
+        batches = -(-len(rows) // self.batch_size)
+        for batch in tqdm(
+            collator.get_batched(n=self.batch_size),
+            total=batches,
+            desc="attn loglikelihood",
+            disable=disable_tqdm or not rows,
         ):
-            for i, result in zip(chunk, self._score_batch([rows[i] for i in chunk]), strict=True):
-                results[i] = result
-        return results
+            results.extend(self._score_batch(batch))
+        return collator.get_original(results)
 
     def _scored_row(self, context: list[int], continuation: list[int]) -> _Scored:
         if not context:
@@ -403,25 +423,20 @@ class AttnLM(TemplateLM):
             max_new_tokens=max_new,
             temperature=options.temperature,
             top_k=options.top_k,
-            stop_tokens=[self.eot_token_id],
+            stop_tokens=self._stop_ids,
             pad_id=self.eot_token_id,
             generator=self._generator if options.temperature > 0 else None,
         )
         texts = []
         for r in range(len(prompts)):
             ids = out.generated[r][out.generated_mask[r]].tolist()
-            if ids and ids[-1] == self.eot_token_id:
+            if ids and ids[-1] in self._stop_ids:
                 ids = ids[:-1]
             text = self.tok_decode(ids)
             for stop in options.until:
                 text = text.split(stop, 1)[0]
             texts.append(text)
         return texts
-
-
-def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _positive_int(name: str, value: Any) -> int:
