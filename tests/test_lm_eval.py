@@ -217,9 +217,11 @@ def test_generation_first_leaves_loglikelihoods_equal(
     else:
         assert not model.caches_are_setup()
 
-    alone = _evaluate(AttnLM(_model(), CharTokenizer(), batch_size=BATCH), [MC, ROLLING], task_manager)
+    # With user caches, scoring takes full passes (shared contexts need caches of their own).
+    fresh = AttnLM(_model(), CharTokenizer(), batch_size=BATCH, shared_context=not user_caches)
+    alone = _evaluate(fresh, [MC, ROLLING], task_manager)
     for task in (MC, ROLLING):
-        assert _responses(together, task) == _responses(alone, task), task  # exact: same batches, no cache
+        assert _responses(together, task) == _responses(alone, task), task  # exact: the same passes
         assert together["results"][task] == alone["results"][task]
 
 
@@ -244,7 +246,7 @@ def test_scoring_ignores_a_filled_cache(policy: CachePolicy) -> None:
     scored, rolled = lm.loglikelihood(requests), lm.loglikelihood_rolling(rolling)
     assert_cache_unchanged(model, before)
 
-    fresh = AttnLM(_model(seed=1), CharTokenizer(), batch_size=3)
+    fresh = AttnLM(_model(seed=1), CharTokenizer(), batch_size=3, shared_context=False)
     assert scored == fresh.loglikelihood(requests)
     assert rolled == fresh.loglikelihood_rolling(rolling)
 
@@ -403,10 +405,39 @@ def test_batch_size_in_model_args_reaches_the_batches(
 
     monkeypatch.setattr(AttnLM, "_score_batch", recording)
     _evaluate(
-        "attn", [MC], task_manager, model_args=f"pretrained={checkpoint},batch_size=3", batch_size=1, device="cpu"
+        "attn",
+        [MC],
+        task_manager,
+        model_args=f"pretrained={checkpoint},batch_size=3,shared_context=False",
+        batch_size=1,
+        device="cpu",
     )
     choices = sum(len(doc["choices"]) for doc in MC_DOCS)
     assert max(sizes) == 3 and sum(sizes) == choices, sizes
+
+
+def test_shared_context_scores_equal_full_passes_and_keep_the_accuracy(
+    task_manager: TaskManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multiple-choice task scored with each context run once: every loglikelihood within
+    fp32 rounding of the full passes (abs 1e-4 on sums of a few log-probabilities), the same
+    greedy flags and the same accuracy; a generation task first changes nothing."""
+    contexts: list[int] = []
+    shared = attn.integrations.lm_eval.score_continuations
+
+    def counting(model: Any, context: list[int], continuations: list[list[int]], **kwargs: Any) -> Any:
+        contexts.append(len(continuations))
+        return shared(model, context, continuations, **kwargs)
+
+    monkeypatch.setattr(attn.integrations.lm_eval, "score_continuations", counting)
+    fast = _evaluate(AttnLM(_model(), CharTokenizer(), batch_size=2), [GEN, MC], task_manager)
+    assert sorted(contexts) == sorted(len(doc["choices"]) for doc in MC_DOCS)  # each question once, all choices
+    full = _evaluate(AttnLM(_model(), CharTokenizer(), batch_size=2, shared_context=False), [MC], task_manager)
+    for got, expected in zip(_responses(fast, MC), _responses(full, MC), strict=True):  # per question
+        pairs = (zip(*(r[0] for r in x), strict=True) for x in (got, expected))  # (logprobs, greedy flags)
+        (logprobs, greedy), (full_logprobs, full_greedy) = pairs
+        assert list(logprobs) == pytest.approx(list(full_logprobs), abs=1e-4) and greedy == full_greedy
+    assert fast["results"][MC]["acc,none"] == full["results"][MC]["acc,none"]
 
 
 def test_tokenizer_file_comes_from_attn_tokenizer(checkpoint: Path) -> None:

@@ -8,8 +8,13 @@ How each request type treats the KV-cache:
   (inference mode plus the explicit flag): it uses the cache, eager or compiled. Without caches
   on the model, each batch gets a cache of its own size, torn down after; with caches the
   user set up, batches are sized to them (short batches are filled with copies of a row).
-- ``loglikelihood`` and ``loglikelihood_rolling`` run one uncached forward per batch, under
-  ``torch.inference_mode()`` (fast: no version counters) inside
+- ``loglikelihood``: continuations that share a context (the choices of a multiple-choice
+  question) go to ``attn.score_continuations``, which prefills the context once on caches
+  of its own, set up and torn down for the group: the model's caches are never used (opt
+  out with ``shared_context=False``; a model with caches set up by the user is scored the
+  other way). Scores equal the full passes within fp32 rounding (tests/test_scoring.py).
+- The other ``loglikelihood`` requests and ``loglikelihood_rolling`` run one uncached forward
+  per batch, under ``torch.inference_mode()`` (fast: no version counters) inside
   ``attn.disable_kv_cache(model)``, since plain inference mode would use the cache: they
   never read or write it, whatever ran before (a generation task first, a cache the user set up).
   Left-padded batches use ``attn.padded_causal_mask`` and ``attn.padding_positions``.
@@ -49,6 +54,7 @@ from attn.context import disable_kv_cache
 from attn.decoder import TransformerDecoder
 from attn.generation import generate
 from attn.masks import left_pad, padded_causal_mask, padding_positions
+from attn.scoring import score_continuations
 from attn.tokenizer import TokenizerFile  # re-exported: attn.integrations.lm_eval.TokenizerFile still works
 
 __all__ = ["AttnLM", "Tokenizer", "TokenizerFile"]
@@ -138,6 +144,9 @@ class AttnLM(TemplateLM):
             the tokenizer's ``add_bos_token`` (a ``TokenizerFile`` reads it from the
             checkpoint: True for Llama), False for a tokenizer without one.
         seed: seed of the generator used when a task samples (``do_sample``).
+        shared_context: score continuations of one context with the context run once
+            (``attn.score_continuations``, at most ``batch_size`` rows a pass); False: every
+            continuation in a full pass of its own.
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class AttnLM(TemplateLM):
         max_length: int | None = None,
         add_bos_token: bool | None = None,
         seed: int = 1234,
+        shared_context: bool = True,
     ) -> None:
         super().__init__()
         if (model is None) == (pretrained is None):
@@ -199,6 +209,9 @@ class AttnLM(TemplateLM):
         self._device = decoder.tok_embeddings.weight.device
         self._vocab_size = decoder.config.vocab_size
         self._generator = torch.Generator(device=self._device).manual_seed(int(seed))
+        if not isinstance(shared_context, bool):
+            raise ValueError(f"shared_context must be true or false, got {shared_context!r}")
+        self.shared_context = shared_context
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> AttnLM:
@@ -319,6 +332,37 @@ class AttnLM(TemplateLM):
 
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(sum of log-probabilities, is greedy) of each continuation after its context."""
+        results = self._score_shared(pairs, disable_tqdm)
+        alone = [i for i in range(len(pairs)) if i not in results]
+        for i, result in zip(alone, self._score_alone([pairs[i] for i in alone], disable_tqdm), strict=True):
+            results[i] = result
+        return [results[i] for i in range(len(pairs))]
+
+    def _score_shared(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool
+    ) -> dict[int, tuple[float, bool]]:
+        """Scores the pairs that share their context with another, one context at a time."""
+        if not self.shared_context or self.model.caches_are_setup():
+            return {}
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (context, continuation) in enumerate(pairs):
+            if context and continuation and len(context) + len(continuation) <= self.max_length + 1:  # no truncation
+                groups.setdefault(tuple(context), []).append(i)
+        shared = {context: members for context, members in groups.items() if len(members) > 1}
+        results: dict[int, tuple[float, bool]] = {}
+        for context, members in tqdm(
+            shared.items(), desc="attn loglikelihood (shared contexts)", disable=disable_tqdm or not shared
+        ):
+            scores = score_continuations(
+                self.model, list(context), [pairs[i][1] for i in members], max_rows=self.batch_size
+            )
+            results.update((i, (score.logprob, score.greedy)) for i, score in zip(members, scores, strict=True))
+        return results
+
+    def _score_alone(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        """Each pair in a full, uncached pass, batched longest first."""
         rows = [self._scored_row(context, continuation) for context, continuation in pairs]
         # Longest first, ties by content: the batches depend only on the set of requests.
         collator = Collator(rows, sort_fn=lambda row: (-len(row.inputs), row.inputs))
