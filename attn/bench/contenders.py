@@ -6,7 +6,7 @@ Every contender answers ``generate(ctx, new_tokens, want_logits)`` with a ``Gene
 tokens, optionally its logits (for the correctness check), and a time stamp taken as each
 forward pass returned (the prefill first), from which the benchmark derives time to first
 token, decode tokens/s and latency per position. ``attn`` contenders go through
-``attn.generate``; ``transformers`` ones through ``LlamaForCausalLM.generate`` with weights
+``attn.generate``; ``transformers`` ones through ``AutoModelForCausalLM.generate`` with weights
 copied from the ``attn`` model.
 """
 
@@ -25,7 +25,7 @@ from torch import nn
 
 import attn
 from attn import compat
-from attn.checkpoint import hf_tensor_names
+from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.compat import CachePolicy, CompatWarning
 from attn.context import disable_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
@@ -145,32 +145,17 @@ def transformers_available() -> bool:
 
 
 def hf_config(config: DecoderConfig) -> Any:
-    """A ``transformers.LlamaConfig`` for the same architecture as ``config``, without EOS."""
+    """The transformers config of the same architecture as ``config`` (``config_to_hf``), without EOS."""
     import transformers
 
-    return transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.embed_dim,
-        intermediate_size=config.hidden_dim,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_base,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        hidden_act="silu",
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
+    fields = {k: v for k, v in config_to_hf(config).items() if k not in ("architectures", "dtype")}
+    return transformers.AutoConfig.for_model(
+        fields.pop("model_type"), **fields, bos_token_id=None, eos_token_id=None, pad_token_id=0
     )
 
 
 def hf_state_dict(model: TransformerDecoder) -> dict[str, torch.Tensor]:
-    """``model``'s weights under ``LlamaForCausalLM`` names (the layouts match: no permutation)."""
+    """``model``'s weights under transformers' names (the layouts match: no permutation)."""
     state = model.state_dict()
     return {theirs: state[ours] for ours, theirs in hf_tensor_names(model.config).items()}
 
@@ -259,7 +244,7 @@ class CellContext:
             standalone = self.standalone and self.checkpoint is None
             with warnings.catch_warnings(), _default_dtype(self.cell.dtype if standalone else torch.float32):
                 warnings.simplefilter("ignore")
-                hf = transformers.LlamaForCausalLM(hf_config(self.cell.config)).eval()
+                hf = transformers.AutoModelForCausalLM.from_config(hf_config(self.cell.config)).eval()
             if standalone:
                 init_weights(hf, self.init_std, self.seed)
             else:
@@ -409,7 +394,7 @@ class HFGenerate(Contender):
     def __init__(self, cache: str) -> None:
         self.cache = cache
         self.name = f"hf-{cache}"
-        self.description = f"transformers LlamaForCausalLM.generate, {cache} cache, eager, inference mode"
+        self.description = f"transformers generate, {cache} cache, eager, inference mode"
 
     def skip_reason(self, ctx: CellContext) -> str | None:
         if not transformers_available():
