@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import attn
+from attn.bench.baseline import greedy_without_cache
 from attn.compat import CachePolicy
 from attn.demo.lora import LoRALinear, lora_parameters
 from attn.demo.model import build_model
@@ -27,7 +28,7 @@ from attn.demo.patterns import (
     ppo_pattern,
     train,
 )
-from attn.demo.speed import generate_without_cache, measure_speed
+from attn.demo.speed import measure_speed
 from attn.demo.task import AdditionTask
 
 from .conftest import assert_cache_unchanged, cache_state
@@ -183,11 +184,11 @@ def test_speed_compares_the_same_tokens(task: AdditionTask, trained: dict, polic
     assert result.same_tokens and result.cached_tokens_per_s > 0 and result.uncached_tokens_per_s > 0
 
 
-def test_generate_without_cache_matches_generate_on_ragged_prompts(task: AdditionTask, trained: dict) -> None:
+def test_greedy_without_cache_matches_generate_on_ragged_prompts(task: AdditionTask, trained: dict) -> None:
     model, never_cached = fresh(task, trained)
     prompts = [[1, 4, 5], [1, 6, 13, 8, 14], [1, 3]]
     expected = attn.generate(never_cached, prompts, max_new_tokens=6).tokens
-    assert torch.equal(generate_without_cache(model, prompts, max_new_tokens=6, pad_id=0), expected)
+    assert torch.equal(greedy_without_cache(model, prompts, max_new_tokens=6, pad_id=0), expected)
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ from torch import nn
 
 import attn
 from attn import compat
+from attn.bench.baseline import greedy_without_cache
 from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.compat import CachePolicy, CompatWarning
-from attn.context import disable_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
 from attn.fast_decode import DecodeCompiled, compile_for_decode
@@ -371,19 +371,17 @@ class AttnNoCache(Contender):
         return None
 
     def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
-        model = ctx.model
-        tokens = ctx.prompts
         stamps: list[float] = []
         kept: list[torch.Tensor] = []
+
+        def step(logits: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+            if want_logits:
+                kept.append(logits.float())
+
         start = time.perf_counter()
-        with torch.inference_mode(), disable_kv_cache(model):
-            for _ in range(new_tokens):
-                logits = model(tokens, last_only=True)[:, -1]  # (b, v)
-                stamps.append(time.perf_counter())
-                if want_logits:
-                    kept.append(logits.float())
-                tokens = torch.cat((tokens, logits.float().argmax(-1)[:, None]), dim=1)  # (b, s + 1)
-        generated = tokens[:, ctx.prompts.shape[1] :].clone()  # (b, N)
+        tokens = greedy_without_cache(ctx.model, ctx.prompts, max_new_tokens=new_tokens, on_step=step)
+        generated = tokens[:, ctx.prompts.shape[1] :]  # (b, N)
         logits_out = torch.stack(kept, dim=1).clone() if want_logits else None  # (b, N, v)
         return Generated(generated, logits_out, start, stamps)
 

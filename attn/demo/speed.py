@@ -16,34 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from attn.context import disable_kv_cache
+from attn.bench.baseline import greedy_without_cache
 from attn.demo.task import AdditionTask, Problem
 from attn.demo.watch import PassRecord, base_model, watch
 from attn.generation import generate
-from attn.masks import left_pad, padded_causal_mask, padding_positions
 
-__all__ = ["SpeedResult", "generate_without_cache", "measure_speed"]
-
-
-def generate_without_cache(
-    model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, pad_id: int
-) -> torch.Tensor:
-    """Greedy generation that recomputes the full sequence for every new token.
-
-    Prompts are left-padded like ``attn.generate`` does, with the same positions and mask,
-    so the tokens match its greedy output.
-
-    Returns:
-        (b, P + N) long: padded prompts, then the generated tokens.
-    """
-    tokens, real = left_pad(prompts, pad_id)  # each (b, P)
-    with torch.inference_mode(), disable_kv_cache(base_model(model)):
-        for _ in range(max_new_tokens):
-            logits = model(tokens, input_pos=padding_positions(real), mask=padded_causal_mask(real), last_only=True)
-            next_token = logits[:, -1].float().argmax(-1, keepdim=True)  # (b, 1)
-            tokens = torch.cat((tokens, next_token), dim=1)  # (b, s + 1)
-            real = torch.cat((real, torch.ones_like(next_token, dtype=torch.bool)), dim=1)  # (b, s + 1)
-    return tokens.clone()
+__all__ = ["SpeedResult", "measure_speed"]
 
 
 @dataclass
@@ -105,7 +83,7 @@ def measure_speed(
         return generate(model, prompts, max_new_tokens=num_tokens, pad_id=tok.pad_id).tokens
 
     def uncached(num_tokens: int) -> torch.Tensor:
-        return generate_without_cache(model, prompts, max_new_tokens=num_tokens, pad_id=tok.pad_id)
+        return greedy_without_cache(model, prompts, max_new_tokens=num_tokens, pad_id=tok.pad_id)
 
     # Warm-up, twice in turn: a decode step has one shape at every position, and a few steps
     # of the full recompute make torch.compile treat its length as dynamic; where passes
