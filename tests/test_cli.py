@@ -38,7 +38,7 @@ def test_demo_subprocess_writes_json(tmp_path: Path) -> None:
     proc = run_attn("demo", "--steps", "20", "--seed", "3", "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    assert "training [" in proc.stderr  # the progress bar
+    assert "training: 100%" in proc.stderr and "20/20" in proc.stderr  # tqdm's bar
     for section in ("1. train", "2. eval", "3. PPO", "4. LoRA-PPO", "5. every kind of pass", "tokens/s"):
         assert section in proc.stdout, section
     result = json.loads(path.read_text())

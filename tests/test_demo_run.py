@@ -32,7 +32,7 @@ def test_run_demo_reports_every_pass(capsys: pytest.CaptureFixture) -> None:
     text = "\n".join(lines) + "\n" + table(result) + "\n" + summary(result)
     for expected in ("1. train", "2. eval", "3. PPO", "4. LoRA-PPO", "VIOLATION", "ok: all 20 blocks"):
         assert (expected in text) == (expected != "VIOLATION"), expected
-    assert "training [" in capsys.readouterr().err
+    assert "training: 100%" in capsys.readouterr().err  # tqdm's bar, to stderr
     json.dumps(result.to_dict())  # JSON-serialisable as it is
 
 

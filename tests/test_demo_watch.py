@@ -1,8 +1,7 @@
-"""Reading cache use from the caches themselves (attn/demo/watch.py), and the progress bar."""
+"""Reading cache use from the caches themselves (attn/demo/watch.py)."""
 
 from __future__ import annotations
 
-import io
 import warnings
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 import attn
 from attn.compat import CachePolicy
-from attn.demo.progress import ProgressBar
 from attn.demo.watch import PassRecord, fill_positions, watch
 
 from .conftest import tiny_model
@@ -90,14 +88,3 @@ def test_watch_sees_through_torch_compile() -> None:
     model = cached_model()
     compiled = torch.compile(model, backend="eager")
     assert fill_positions(compiled) == [5, 5]
-
-
-def test_progress_bar_writes_quarters_to_a_file() -> None:
-    stream = io.StringIO()
-    bar = ProgressBar(8, label="train", stream=stream)
-    for step in range(1, 9):
-        bar.update(step, loss=1.0 / step)
-    bar.close()
-    lines = stream.getvalue().splitlines()
-    assert [line.split()[2] for line in lines] == ["2/8", "4/8", "6/8", "8/8"]
-    assert lines[-1].startswith("train [" + "#" * 30 + "] 8/8 loss 0.125")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 import torch
+from tqdm import tqdm
 
 import attn
 from attn import compat
@@ -28,7 +29,6 @@ from attn.demo.patterns import (
     ppo_pattern,
     train,
 )
-from attn.demo.progress import ProgressBar
 from attn.demo.result import DemoOptions, DemoResult
 from attn.demo.speed import measure_speed
 from attn.demo.task import AdditionTask
@@ -95,11 +95,13 @@ def _run(options: DemoOptions, say: Callable[[str], None], progress_stream: Text
     model.reset_caches()
     with watch(runner, before, pattern="train", kind="generation before training: attn.generate", expect_cache=True):
         untrained, _ = generation_task(runner, task, task.eval_problems)
-    bar = ProgressBar(options.steps, label="   training", stream=progress_stream)
-    try:
-        trained = train(runner, task, steps=options.steps, seed=options.seed, on_step=bar.update)
-    finally:
-        bar.close()
+    with tqdm(total=options.steps, desc="   training", file=progress_stream, mininterval=0.1, leave=True) as bar:
+
+        def on_step(step: int, loss: float) -> None:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update(step - bar.n)
+
+        trained = train(runner, task, steps=options.steps, seed=options.seed, on_step=on_step)
     seconds["train"] = time.perf_counter() - start
     say(report.train_line(untrained, trained))
 
