@@ -138,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
             "shared-context scoring against full passes (first --config/--dtype/--threads; default small fp32 1)"
         ),
     )
+    parser.add_argument(
+        "--workloads-compile",
+        action="store_true",
+        help="with --workloads: both GRPO sides decode with generate(compile=True)",
+    )
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process
     return parser
 
@@ -280,7 +285,14 @@ def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     bandwidth, _ = read_bandwidth(threads)
     machine = f"{_machine()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, {short_name(dtype)}"
     results = run_workloads(
-        WorkloadSpec(config, dtype=dtype, threads=threads, repeats=max(args.repeats, 1), seed=args.seed)
+        WorkloadSpec(
+            config,
+            dtype=dtype,
+            threads=threads,
+            repeats=max(args.repeats, 1),
+            seed=args.seed,
+            compile=args.workloads_compile,
+        )
     )
     print(format_workloads(results, machine))
     return 0 if all(r.agree for r in results) else 1

@@ -42,6 +42,8 @@ class WorkloadSpec:
         prompts, samples, prompt_len, new_tokens: the grpo workload (B, G, P, N).
         questions, choices, context_len, continuation_len: the scoring workload (N, K, C, m).
         repeats: timed runs of each side.
+        compile: both grpo sides decode with ``generate(compile=True)`` (the compiled CPU
+            step; its compile happens in the warm-up run, not in the timed ones).
     """
 
     config: DecoderConfig
@@ -58,6 +60,7 @@ class WorkloadSpec:
     repeats: int = 3
     init_std: float = 0.05
     seed: int = 0
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,15 +109,17 @@ def _grpo(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Genera
             temperature=1.0,
             num_samples=num_samples,
             generator=torch.Generator().manual_seed(spec.seed),
+            compile=spec.compile,
         )
 
     ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
-    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G)
-    plain = generate(model, expanded, max_new_tokens=spec.new_tokens)
+    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G, compile=spec.compile)
+    plain = generate(model, expanded, max_new_tokens=spec.new_tokens, compile=spec.compile)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
     return WorkloadResult(
         name="grpo",
-        shape=f"B={B} x G={G}, prompt {spec.prompt_len}, {spec.new_tokens} new",
+        shape=f"B={B} x G={G}, prompt {spec.prompt_len}, {spec.new_tokens} new"
+        + (", decode compiled (generate(compile=True))" if spec.compile else ", eager"),
         ours="generate(num_samples=G): prefill B, fork",
         theirs="generate on B x G repeated prompts",
         ours_s=ours,
