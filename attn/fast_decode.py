@@ -345,15 +345,3 @@ def compile_for_decode(
     if model.training:
         raise ValueError("compile_for_decode is for inference: call model.eval() first")
     return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits)
-
-
-def model_decode_step(model: nn.Module) -> DecodeCompiled:
-    """``model``'s own ``compile_for_decode`` step with the default options, built on first use
-    and kept on the model, so that every ``attn.generate(model, ..., compile=True)`` shares it."""
-    if isinstance(model, DecodeCompiled):
-        return model
-    step = model.__dict__.get("_attn_decode_step")
-    if step is None:
-        step = compile_for_decode(model)
-        object.__setattr__(model, "_attn_decode_step", step)  # a plain attribute, not a submodule
-    return step

@@ -111,7 +111,6 @@ def generate(
     return_logits: bool = False,
     on_tokens: Callable[[torch.Tensor], None] | None = None,
     num_samples: int = 1,
-    compile: bool = False,
 ) -> GenerationOutput:
     """Generates up to ``max_new_tokens`` after each prompt, using the KV-cache.
 
@@ -137,10 +136,6 @@ def generate(
         return_logits: also return the (b, N, v) logits of each step.
         num_samples: continuations per prompt (G); caches set up by the caller must have
             b x G rows.
-        compile: decode with the model's compiled CPU step (``attn.compile_for_decode``,
-            built on the first call and kept on the model). The first call compiles (tens of
-            seconds), and so does each new batch size or cache length: set the caches up once
-            (``model.setup_caches``) to reuse one step.
         on_tokens: called after each step with its (b x G,) new tokens (an inference tensor),
             as they appear in ``generated`` (``pad_id`` for rows that stopped), to stream
             text as it comes. Reading them (``.tolist()``) is a host sync of the callback's
@@ -152,12 +147,6 @@ def generate(
         out = attn.generate(model, [[1, 5, 9], [1, 7]], max_new_tokens=16, stop_tokens=[2])
         loss = -(policy_logprobs(model, out) * advantages).mean()   # out.tokens needs no clone
     """
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
-    if compile:
-        from attn.fast_decode import model_decode_step  # loads inductor: only when asked for
-
-        model = model_decode_step(model)
     config = model.config
     stops = _check_arguments(config.vocab_size, max_new_tokens, temperature, top_k, stop_tokens, pad_id)
     device = model.tok_embeddings.weight.device

@@ -213,17 +213,3 @@ def test_bad_arguments() -> None:
         compile_for_decode(model, vector_bits=300)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())
-
-
-@pytest.mark.slow
-def test_generate_compile_true_builds_one_step_and_keeps_it() -> None:
-    model = tiny_model(14)
-    model.setup_caches(2, 32)
-    expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
-    got = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, compile=True)
-    again = attn.generate(model, OTHER_PROMPTS, max_new_tokens=NEW_TOKENS, compile=True)
-    assert torch.equal(got.tokens, expected.tokens)
-    step = model._attn_decode_step
-    assert isinstance(step, DecodeCompiled) and step.stats.graphs == 1  # both calls, one graph
-    assert torch.equal(again.tokens, attn.generate(model, OTHER_PROMPTS, max_new_tokens=NEW_TOKENS).tokens)
-    assert "_attn_decode_step" not in dict(model.named_modules()) and "_attn_decode_step" not in model.state_dict()

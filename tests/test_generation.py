@@ -148,7 +148,6 @@ def test_compiled_model_generates_the_same_tokens() -> None:
             r"stop_tokens and pad_id must be ids in \[0, 61\), got \[61\]",
         ),
         ([[1, 2]], dict(max_new_tokens=2, pad_id=-1), r"got \[-1\]"),
-        ([[1, 2]], dict(max_new_tokens=2, compile="yes"), r"compile must be True or False, got 'yes'"),
         ([[1, 99]], dict(max_new_tokens=2), r"prompt token ids must be in \[0, 61\), got min 1 and max 99"),
         (torch.ones(3, dtype=torch.long), dict(max_new_tokens=2), r"must be \(batch, seq_len\)"),
     ],

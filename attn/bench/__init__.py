@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workloads-compile",
         action="store_true",
-        help="with --workloads: both GRPO sides decode with generate(compile=True)",
+        help="with --workloads: both GRPO sides decode with attn.compile_for_decode",
     )
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process
     return parser

@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from attn.bench.contenders import init_weights
 from attn.bench.measure import Stats
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.fast_decode import compile_for_decode
 from attn.generation import generate
 from attn.scoring import score_continuations
 
@@ -42,8 +44,8 @@ class WorkloadSpec:
         prompts, samples, prompt_len, new_tokens: the grpo workload (B, G, P, N).
         questions, choices, context_len, continuation_len: the scoring workload (N, K, C, m).
         repeats: timed runs of each side.
-        compile: both grpo sides decode with ``generate(compile=True)`` (the compiled CPU
-            step; its compile happens in the warm-up run, not in the timed ones).
+        compile: both grpo sides decode with ``attn.compile_for_decode`` (one compiled step,
+            compiled in the warm-up run, not in the timed ones).
     """
 
     config: DecoderConfig
@@ -96,7 +98,7 @@ def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats
     return Stats.of(times[0]), Stats.of(times[1])
 
 
-def _grpo(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
+def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
     B, G = spec.prompts, spec.samples
     prompts = torch.randint(1, spec.config.vocab_size, (B, spec.prompt_len), generator=generator)
     expanded = prompts.repeat_interleave(G, 0)  # (B * G, P)
@@ -109,17 +111,16 @@ def _grpo(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Genera
             temperature=1.0,
             num_samples=num_samples,
             generator=torch.Generator().manual_seed(spec.seed),
-            compile=spec.compile,
         )
 
     ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
-    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G, compile=spec.compile)
-    plain = generate(model, expanded, max_new_tokens=spec.new_tokens, compile=spec.compile)
+    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G)
+    plain = generate(model, expanded, max_new_tokens=spec.new_tokens)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
     return WorkloadResult(
         name="grpo",
         shape=f"B={B} x G={G}, prompt {spec.prompt_len}, {spec.new_tokens} new"
-        + (", decode compiled (generate(compile=True))" if spec.compile else ", eager"),
+        + (", decode compiled (compile_for_decode)" if spec.compile else ", eager"),
         ours="generate(num_samples=G): prefill B, fork",
         theirs="generate on B x G repeated prompts",
         ours_s=ours,
@@ -189,7 +190,8 @@ def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
         init_weights(model, spec.init_std, spec.seed)
         model = model.to(spec.dtype).eval()
         generator = torch.Generator().manual_seed(spec.seed)
-        return [_grpo(model, spec, generator), _scoring(model, spec, generator)]
+        decoder = compile_for_decode(model) if spec.compile else model
+        return [_grpo(decoder, spec, generator), _scoring(model, spec, generator)]
     finally:
         torch.set_num_threads(before)
 
