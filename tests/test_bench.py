@@ -4,6 +4,8 @@ check fails when a contender's answer is wrong. No timing assertions: the machin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,15 +42,66 @@ class WrongAnswer(AttnEager):
         return run
 
 
+TARGETS = {
+    "share_of_limit": {"fp32": 50.0},  # 5000%: never met
+    "faster_than": ["attn-eager", "hf-static"],
+    "peak_rss_at_most": {"hf-static": 1.1},
+}
+
+
 @pytest.fixture(scope="module")
-def result_json(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """One full command-line run (every default contender, compiled one included)."""
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, str]]:
+    """One full command-line run (every default contender, compiled one included), with a
+    targets file: its JSON and its printed report."""
     before = compat._decision
-    path = tmp_path_factory.mktemp("bench") / "bench.json"
-    status = bench.main(["--config", TINY_JSON, *ARGS, "--json", str(path)])
+    folder = tmp_path_factory.mktemp("bench")
+    path, targets = folder / "bench.json", folder / "targets.json"
+    targets.write_text(json.dumps(TARGETS))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = bench.main(["--config", TINY_JSON, *ARGS, "--json", str(path), "--targets", str(targets)])
     assert status == 0
-    yield json.loads(path.read_text())
+    yield json.loads(path.read_text()), printed.getvalue()
     compat._decision = before
+
+
+@pytest.fixture(scope="module")
+def result_json(bench_run: tuple[dict, str]) -> dict:
+    return bench_run[0]
+
+
+def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(bench_run: tuple[dict, str]) -> None:
+    data, report = bench_run
+    speeds = {r["contender"]: r["decode_tokens_per_s"]["median"] for r in data["rows"] if r["decode_tokens_per_s"]}
+    compiled = speeds.pop("attn-compiled")
+    summary = report.split("attn-compiled per cell:")[1].split("\n")[1]
+    for name, speed in speeds.items():
+        assert f"{compiled / speed:.2f}x {name}" in summary, (name, summary)
+    verdicts = report.split("targets (--targets):")[1]
+    share = next(r["fraction_of_limit"] for r in data["rows"] if r["contender"] == "attn-compiled")
+    assert f"{share:.0%} of the memory-bound limit (target >= 5000%): NOT MET" in verdicts
+    for name in ("attn-eager", "hf-static"):
+        if name in speeds:
+            met = "met" if compiled / speeds[name] > 1 else "NOT MET"
+            assert f"{compiled / speeds[name]:.2f}x {name} (target > 1.00x): {met}" in verdicts
+    assert "peak RSS against hf-static: not measured" in verdicts  # --no-memory
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[1]", r"expected a JSON object, got list"),
+        ('{"fastest": 1}', r"unknown keys \['fastest'\]"),
+        ('{"share_of_limit": {"fp32": -1}}', r"share_of_limit must map names to positive numbers"),
+        ('{"faster_than": "hf-static"}', r"faster_than must be a list of contender names"),
+        ("{", r"cannot read a JSON object"),
+    ],
+)
+def test_bad_targets_file(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "targets.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        bench.Targets.from_file(path)
 
 
 def test_json_has_every_field(result_json: dict) -> None:

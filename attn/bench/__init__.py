@@ -29,6 +29,7 @@ from attn.bench.check import Check, check_logits, check_tokens
 from attn.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS, Cell, CellContext, Contender, Generated
 from attn.bench.report import compiled_summary, format_table, write_json, write_plot
 from attn.bench.run import BenchResult, BenchSpec, Row, run_benchmark
+from attn.bench.targets import Targets
 from attn.decoder import DecoderConfig
 from attn.dtypes import DTYPES, short_name
 
@@ -44,6 +45,7 @@ __all__ = [
     "Contender",
     "Generated",
     "Row",
+    "Targets",
     "check_logits",
     "check_tokens",
     "compiled_summary",
@@ -128,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-std", type=float, default=0.05, help="std of random weights (default 0.05)")
+    parser.add_argument(
+        "--targets",
+        type=Path,
+        help="a JSON file of targets for attn-compiled (share_of_limit by dtype, faster_than, peak_rss_at_most; "
+        "see attn/bench/targets.py): the report says which are met",
+    )
     parser.add_argument("--json", type=Path, help="write every measurement as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of latency per token against position here")
     parser.add_argument(
@@ -256,13 +264,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_workloads(args, parser)
     try:
         spec = _spec(args)
+        targets = None if args.targets is None else Targets.from_file(args.targets)
     except ValueError as error:
         parser.error(str(error))
     result = run_benchmark(spec)
     if args.plot:
         problem = write_plot(result, args.plot)
         result.notes.append(f"plot: {problem}" if problem else f"plot written to {args.plot}")
-    print(format_table(result))
+    print(format_table(result, targets))
     if args.json:
         write_json(result, args.json)
         print(f"JSON written to {args.json}")

@@ -1,0 +1,100 @@
+"""Targets the benchmark checks ``attn-compiled`` against, read from a JSON file the user gives
+(``python -m attn bench --targets FILE``), never from code.
+
+File format (every key optional)::
+
+    {
+      "share_of_limit": {"fp32": 0.90, "bf16": 0.75},   # least share of the memory-bound limit, by dtype
+      "faster_than": ["hf-static", "llama-cpp"],        # contenders it must out-decode, in every cell they ran
+      "peak_rss_at_most": {"hf-static": 1.10}           # largest peak RSS ratio to these contenders
+    }
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attn.bench.run import BenchResult, CellInfo, Row
+
+__all__ = ["Targets", "check_targets"]
+
+SUBJECT = "attn-compiled"
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What ``attn-compiled`` must reach in each cell (see the module docstring)."""
+
+    share_of_limit: dict[str, float] = field(default_factory=dict)
+    faster_than: tuple[str, ...] = ()
+    peak_rss_at_most: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Targets:
+        """Reads a targets file; raises ``ValueError`` naming the key that is wrong."""
+        try:
+            data: Any = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--targets {path}: cannot read a JSON object: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--targets {path}: expected a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"share_of_limit", "faster_than", "peak_rss_at_most"})
+        if unknown:
+            raise ValueError(f"--targets {path}: unknown keys {unknown}; see python -m attn bench --help")
+        share, rss = data.get("share_of_limit", {}), data.get("peak_rss_at_most", {})
+        faster = data.get("faster_than", [])
+        for key, table in (("share_of_limit", share), ("peak_rss_at_most", rss)):
+            if not isinstance(table, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in table.values()):
+                raise ValueError(f"--targets {path}: {key} must map names to positive numbers, got {table!r}")
+        if not isinstance(faster, list) or not all(isinstance(name, str) for name in faster):
+            raise ValueError(f"--targets {path}: faster_than must be a list of contender names, got {faster!r}")
+        return cls({k: float(v) for k, v in share.items()}, tuple(faster), {k: float(v) for k, v in rss.items()})
+
+
+def check_targets(result: BenchResult, targets: Targets) -> list[str]:
+    """One line per target and cell: the measured value, the target, and met or NOT MET."""
+    lines = []
+    for info in result.cells:
+        rows = result.rows_of(info.label)
+        subject = rows.get(SUBJECT)
+        if subject is None or subject.decode_tokens_per_s is None:
+            continue
+        lines.extend(f"  {info.label}: {text}" for text in _cell_checks(info, rows, subject, targets))
+    return lines
+
+
+def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Targets) -> list[str]:
+    out = []
+    wanted = targets.share_of_limit.get(info.dtype)
+    if wanted is not None and subject.fraction_of_limit is not None:
+        out.append(
+            _verdict(
+                f"{subject.fraction_of_limit:.0%} of the memory-bound limit",
+                f">= {wanted:.0%}",
+                subject.fraction_of_limit >= wanted,
+            )
+        )
+    speed = subject.decode_tokens_per_s.median if subject.decode_tokens_per_s else None
+    for name in targets.faster_than:
+        peer = rows.get(name)
+        if peer is None or peer.decode_tokens_per_s is None or speed is None:
+            why = f"skipped: {peer.skipped}" if peer is not None and peer.skipped else "not run"
+            out.append(f"faster than {name}: not measured ({why})")
+            continue
+        ratio = speed / peer.decode_tokens_per_s.median
+        out.append(_verdict(f"{ratio:.2f}x {name}", "> 1.00x", ratio > 1.0))
+    for name, most in targets.peak_rss_at_most.items():
+        peer = rows.get(name)
+        if peer is None or not peer.peak_rss_mb or not subject.peak_rss_mb:
+            out.append(f"peak RSS against {name}: not measured")
+            continue
+        ratio = subject.peak_rss_mb / peer.peak_rss_mb
+        out.append(_verdict(f"peak RSS {ratio:.2f}x {name}'s", f"<= {most:.2f}x", ratio <= most))
+    return out
+
+
+def _verdict(measured: str, target: str, met: bool) -> str:
+    return f"{measured} (target {target}): {'met' if met else 'NOT MET'}"
