@@ -47,6 +47,9 @@ class MultiHeadAttention(nn.Module):
             at most; None: to every earlier slot.
 
     Attributes:
+        num_heads, num_kv_heads: the heads this module computes: all of them, or this rank's
+            share under tensor parallelism (``attn.distributed.parallelize_tensor`` sets them;
+            the cache is sized from them).
         kv_cache: the layer's ``KVCache``, or ``None`` until caches are set up.
         cache_mode: the explicit flag: ``None`` (decide by the pass), ``True`` (on), ``False``
             (never use the cache). Set it with ``attn.kv_cache_mode``, not by hand.

@@ -10,6 +10,12 @@ the table names.
 
 Policies (``CachePolicy``), resolved once per process: ``set_cache_policy()``, then the
 ``ATTN_CACHE_POLICY`` environment variable, then ``INFERENCE``, the default on every release.
+
+The same table says whether a model sharded with torch.distributed (FSDP2, tensor
+parallelism) may run under inference mode (``fsdp_inference_mode``,
+``tensor_parallel_inference_mode``); where it may not, ``attn.generate`` runs it under
+``torch.no_grad()`` with the explicit flag (``generation_fallback``), and
+``probe_distributed_inference_mode`` proves the claim on the installed release.
 """
 
 from __future__ import annotations
@@ -23,21 +29,32 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "DEFAULT_POLICY",
     "ENV_VAR",
     "FIX",
+    "FSDP_INFERENCE_MODE_REASON",
     "RELEASES",
+    "TENSOR_PARALLEL_INFERENCE_MODE_REASON",
     "CachePolicy",
     "CompatWarning",
+    "DistributedProbeResult",
+    "FsdpApi",
     "PolicyDecision",
     "ProbeResult",
     "ReleaseSupport",
     "TorchVersion",
     "cache_policy",
     "compat_report",
+    "fsdp_api",
+    "fsdp_runs_on",
+    "generation_fallback",
+    "gloo_reduce_scatter_averages",
     "parse_torch_version",
+    "probe_distributed_inference_mode",
     "probe_is_inference_trace",
     "release_support",
     "set_cache_policy",
@@ -146,6 +163,10 @@ class ReleaseSupport:
         guards_is_inference: where it traces, does the compiled graph tell the kinds of pass
             apart (no stale graph reused for the wrong one)?
         reason: why, in a sentence a user can act on.
+        fsdp_inference_mode: can a model sharded with FSDP2 (``fully_shard``) run a forward
+            under inference mode and train after it? (Why not: ``FSDP_INFERENCE_MODE_REASON``.)
+        tensor_parallel_inference_mode: can a model with tensor-parallel (DTensor) linears
+            run a forward under inference mode? (Why not: ``TENSOR_PARALLEL_INFERENCE_MODE_REASON``.)
     """
 
     first: tuple[int, int, int]
@@ -153,6 +174,8 @@ class ReleaseSupport:
     traces_is_inference: bool
     guards_is_inference: bool
     reason: str
+    fsdp_inference_mode: bool
+    tensor_parallel_inference_mode: bool
 
     @property
     def decides_in_graph(self) -> bool:
@@ -176,9 +199,27 @@ class ReleaseSupport:
         return f"{first} <= torch < {last}" if self.first > (0, 0, 0) else f"< {last}"
 
 
-# The one table of what each torch release does with the inference-mode test under compile.
-# Every row is proven on a leg of the version matrix (compat/matrix.toml); a test checks
-# that each leg's expectations resolve through this table.
+# Measured with FSDP2 on CPU (gloo, 2 processes) on 2.7.1, 2.8.0, 2.13.0 and 2.15.0; FSDP2 does
+# not run on CPU before 2.7 (fsdp_runs_on), and its code there allocates the same way.
+FSDP_INFERENCE_MODE_REASON = (
+    "FSDP2 allocates a module's unsharded parameters in its first forward and refills them in "
+    "place in every forward after: allocated under inference mode they are inference tensors, "
+    "and the next forward outside it (no_grad scoring, the grad step) fails with 'Inplace update "
+    "to inference tensor outside InferenceMode is not allowed' (upstream fixes such as "
+    "pytorch/pytorch#197327 let FSDP2 run under inference mode, not leave it)"
+)
+
+# Measured with tensor-parallel linears on CPU (gloo, 2 processes) on 2.5.1; 2.6.0 on runs them.
+TENSOR_PARALLEL_INFERENCE_MODE_REASON = (
+    "before torch 2.6 DTensor has no sharding rule for the aten.matmul that a linear without "
+    "bias becomes under inference mode, so a tensor-parallel q/k/v, o or MLP projection fails "
+    "there with 'Operator aten.matmul.default does not have a sharding strategy registered'"
+)
+
+# The one table of what each torch release does with the inference-mode test under compile,
+# and with sharded models under inference mode. Every row is proven on a leg of the version
+# matrix (compat/matrix.toml); a test checks that each leg's expectations resolve through this
+# table, and the distributed tests run probe_distributed_inference_mode against it.
 RELEASES: tuple[ReleaseSupport, ...] = (
     ReleaseSupport(
         first=(0, 0, 0),
@@ -189,6 +230,8 @@ RELEASES: tuple[ReleaseSupport, ...] = (
             "dynamo cannot trace Tensor.is_inference() before torch 2.6 "
             "(fullgraph fails: 'torch.* op returned non-Tensor bool')"
         ),
+        fsdp_inference_mode=False,
+        tensor_parallel_inference_mode=False,
     ),
     ReleaseSupport(
         first=(2, 6, 0),
@@ -201,6 +244,8 @@ RELEASES: tuple[ReleaseSupport, ...] = (
             "inference mode and a normal tensor inside it, so a graph compiled for one kind of "
             "pass is reused for the other (the probe's stale-graph sequences)"
         ),
+        fsdp_inference_mode=False,
+        tensor_parallel_inference_mode=True,
     ),
     ReleaseSupport(
         first=(2, 8, 0),
@@ -211,6 +256,8 @@ RELEASES: tuple[ReleaseSupport, ...] = (
             "from torch 2.8 dynamo turns inference mode off while compiling and graph-breaks "
             "on Tensor.is_inference() by design (pytorch/pytorch#149321)"
         ),
+        fsdp_inference_mode=False,
+        tensor_parallel_inference_mode=True,
     ),
 )
 DEFAULT_POLICY = CachePolicy.INFERENCE
@@ -457,6 +504,169 @@ def probe_is_inference_trace(backend: str = "eager") -> ProbeResult:
     return ProbeResult(True, True, backend, None)
 
 
+# -- sharded models (torch.distributed) ---------------------------------------------------
+
+
+class FsdpApi(NamedTuple):
+    """FSDP2's names, wherever the installed release keeps them."""
+
+    fully_shard: Any
+    FSDPModule: type
+    MixedPrecisionPolicy: type
+
+
+def fsdp_api() -> FsdpApi:
+    """FSDP2's ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``: in
+    ``torch.distributed.fsdp`` from torch 2.6, in ``torch.distributed._composable.fsdp``
+    before (detected by import, not looked up).
+
+    Imported when first asked for, by the code that shards a model.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    return FsdpApi(fully_shard, FSDPModule, MixedPrecisionPolicy)
+
+
+def gloo_reduce_scatter_averages(group: Any) -> bool:
+    """Does ``reduce_scatter_tensor(op=ReduceOp.AVG)`` average on this gloo process group?
+
+    Detected with one tiny reduce-scatter (a collective: every rank of ``group`` calls it).
+    Measured on CPU with 2 ranks: gloo sums instead, silently, on torch 2.5.1 to 2.8.0, and
+    averages on 2.13.0 and 2.15.0; FSDP2 reduces fp32 and bf16 gradients with AVG, so there
+    it sums the ranks' gradients where it should average them.
+    """
+    size = dist.get_world_size(group)
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, torch.ones(size), op=dist.ReduceOp.AVG, group=group)
+    return bool(out.item() == 1.0)
+
+
+def fsdp_runs_on(device_type: str) -> bool:
+    """Does FSDP2 run on this device type? Detected, not looked up: on CPU it needs
+    ``torch.cpu.Stream.record_event`` (torch 2.7 on). Before, it fails on CPU in its first
+    forward: "FSDP requires CUDA for streams" (2.5), "'Stream' object has no attribute
+    'record_event'" (2.6)."""
+    return device_type != "cpu" or hasattr(torch.cpu.Stream, "record_event")
+
+
+def _loaded_class(name: str, *modules: str) -> type | None:
+    """``name`` from the first of ``modules`` already imported, else None (imports nothing)."""
+    for module in modules:
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def generation_fallback(model: nn.Module) -> str | None:
+    """Why ``attn.generate`` runs ``model`` under ``torch.no_grad()`` with the explicit cache
+    flag rather than under inference mode on the installed release, or ``None``.
+
+    A model sharded with FSDP2 (``fully_shard``) or with tensor-parallel (DTensor) parameters,
+    where the release table says that cannot run under inference mode. The passes that use
+    the cache, and the tokens, are the same either way. Imports nothing: a model can hold FSDP2
+    modules or DTensors only once torch.distributed's modules for them are loaded.
+    """
+    row = release_support(_decision.torch_version)
+    fsdp_module = _loaded_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+    sharded = fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
+    if sharded and not row.fsdp_inference_mode:
+        return f"a model sharded with FSDP2 cannot generate under inference mode ({FSDP_INFERENCE_MODE_REASON})"
+    dtensor = _loaded_class("DTensor", "torch.distributed.tensor")
+    split = dtensor is not None and any(isinstance(parameter, dtensor) for parameter in model.parameters())
+    if split and not row.tensor_parallel_inference_mode:
+        return (
+            "a model with tensor-parallel (DTensor) parameters cannot generate under inference mode "
+            f"({TENSOR_PARALLEL_INFERENCE_MODE_REASON})"
+        )
+    return None
+
+
+def warn_generation_fallback(reason: str) -> None:
+    """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
+    _warn_once(
+        f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
+        f"on torch {_decision.torch_version}, {reason}. attn.generate runs it under torch.no_grad() "
+        "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
+        "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
+        "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "
+        "and attn.cached_inference passes.",
+    )
+
+
+class DistributedProbeResult(NamedTuple):
+    """Outcome of ``probe_distributed_inference_mode`` on the installed torch."""
+
+    fsdp_runs: bool
+    """Did FSDP2 run a forward and a grad step on the device (no inference mode)?"""
+    fsdp_inference_mode: bool
+    """Did a grad step after an inference-mode forward work too?"""
+    tensor_parallel_inference_mode: bool
+    """Did a column-wise parallel linear run under inference mode?"""
+    errors: tuple[str, ...]
+    """The first line of each error met, in order."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> DistributedProbeResult:
+    """Runs tiny sharded linears under inference mode, then a grad step, on ``device``.
+
+    A collective: every rank of the default process group must call it. FSDP2 (two linears,
+    ``fully_shard``-ed one by one and together, as a decoder's layers and root are): a grad
+    step alone, then an inference-mode forward followed by grad steps. Tensor parallelism (one
+    column-wise linear without bias, as the decoder's are): an inference-mode forward.
+
+    Raises:
+        RuntimeError: torch.distributed has no default process group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "probe_distributed_inference_mode needs torch.distributed: call "
+            "torch.distributed.init_process_group() on every rank first, then the probe on every rank"
+        )
+    device = torch.device(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    fully_shard = fsdp_api().fully_shard
+    x = torch.ones(2, 3, 8, device=device)  # (b, s, e); the same on every rank
+    errors = []
+
+    def fsdp_grad_step(inference_first: bool) -> bool:
+        model = nn.Sequential(nn.Linear(8, 8, device=device), nn.Linear(8, 8, device=device))
+        for module in (*model, model):  # the root keeps its parameters unsharded after a forward
+            fully_shard(module, mesh=mesh)
+        try:
+            if inference_first:
+                with torch.inference_mode():
+                    model(x)
+            for _ in range(2):
+                model(x).sum().backward()
+        except Exception as error:
+            errors.append(_first_line(error))
+            return False
+        return True
+
+    fsdp_runs = fsdp_grad_step(inference_first=False)
+    fsdp_inference_mode = fsdp_runs and fsdp_grad_step(inference_first=True)
+    linear = parallelize_module(nn.Linear(8, 8, bias=False, device=device), mesh, ColwiseParallel())
+    try:
+        with torch.inference_mode():
+            linear(x)
+        tensor_parallel_inference_mode = True
+    except Exception as error:
+        errors.append(_first_line(error))
+        tensor_parallel_inference_mode = False
+    return DistributedProbeResult(fsdp_runs, fsdp_inference_mode, tensor_parallel_inference_mode, tuple(errors))
+
+
 def compat_report(probe: bool = False) -> str:
     """A human-readable report: torch version, policy in force and why, the release table."""
     decision = cache_policy()
@@ -471,6 +681,9 @@ def compat_report(probe: bool = False) -> str:
         f"decides in graph:    {'yes' if row.decides_in_graph else 'no'}: {row.reason}",
         f"compiled cost:       {row.graph_breaks_per_forward} graph break per forward that tests inference mode",
         f"fullgraph/export:    {FIX}",
+        f"sharded models:      under inference mode, FSDP2 {'yes' if row.fsdp_inference_mode else 'no'}, tensor "
+        f"parallel {'yes' if row.tensor_parallel_inference_mode else 'no'} (release table); where no, "
+        "attn.generate runs them under torch.no_grad() with the flag",
     ]
     if probe:
         result = probe_is_inference_trace()

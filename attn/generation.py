@@ -7,17 +7,23 @@ row keeps its own RoPE positions and a mask hides its padding. Everything runs u
 ``attn.cached_inference`` (the explicit flag: no inference-mode test, so no graph break in
 a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
+
+A model sharded with torch.distributed (FSDP2, tensor parallelism) on a release that cannot
+run it under inference mode (``attn.compat.generation_fallback``) runs under
+``torch.no_grad()`` with the same flag instead: the same passes use the cache, the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attn.context import cached_inference
+from attn import compat
+from attn.context import cached_inference, kv_cache_mode
 from attn.masks import left_pad, padding_positions, slot_mask
 
 __all__ = ["GenerationOutput", "generate"]
@@ -77,6 +83,22 @@ def _sample(
     return tokens, logprobs
 
 
+def _cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]:
+    """``attn.cached_inference``, or, for a sharded model that cannot run under inference mode
+    on this release, ``torch.no_grad()`` with the flag (warned once, at the caller's line)."""
+    reason = compat.generation_fallback(model)
+    if reason is None:
+        return cached_inference(model)
+    compat.warn_generation_fallback(reason)
+    return _no_grad_with_flag(model)
+
+
+@contextlib.contextmanager
+def _no_grad_with_flag(model: nn.Module) -> Iterator[None]:
+    with torch.no_grad(), kv_cache_mode(model, True):
+        yield
+
+
 def _check_arguments(
     vocab_size: int,
     max_new_tokens: int,
@@ -123,6 +145,10 @@ def generate(
     times (``fork_caches``) before G continuations are drawn: the output has b x G rows,
     row ``i * G + j`` the j-th sample of prompt i (what a GRPO group needs), at the cost of
     b prompt prefills instead of b x G.
+
+    On a model sharded across processes (``attn.distributed``) every rank calls it: with
+    FSDP2 on its own prompts, with tensor parallelism on the same prompts (and, to sample, a
+    ``generator`` seeded alike on every rank).
 
     Args:
         model: a ``TransformerDecoder`` (or a ``torch.compile`` of one).
@@ -236,7 +262,7 @@ def _decode(
     num_slots = model.kv_caches()[0].max_seq_len
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     all_logits = []
-    with cached_inference(model):
+    with _cached_passes(model):
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, L)
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
