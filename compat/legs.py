@@ -1,21 +1,25 @@
 """The checks one leg of the version matrix runs inside its own environment.
 
-Run by compat/run.py with the leg's python (torch of the leg's release, attn installed)::
+Run by the leg's nox session (compat/noxfile.py) with the leg's python (torch of the leg's
+release, attn installed)::
 
     python compat/legs.py LEG [--out result.json] [--only policy,probe,sequences]
 
-Checks:
+What the release must do is its row of ``attn.compat.RELEASES``, ``release_support()`` (the
+installed torch); compat/matrix.toml only names the release. Checks:
 
-- ``policy``: ``attn.compat.cache_policy()`` resolves, by default, to the leg's policy in
-  compat/matrix.toml, and ``release_support()``'s row claims what the leg claims.
+- ``policy``: the installed torch is the leg's release (the open-ended row for ``latest`` and
+  ``nightly``), and ``attn.compat.cache_policy()`` resolves, by default, to
+  ``attn.compat.DEFAULT_POLICY``.
 - ``probe``: ``attn.compat.probe_is_inference_trace(backend)`` (fullgraph) traces, and keeps
-  a sound guard over the stale-graph sequences, exactly where the leg says, on every backend
-  of ``probe_backends``; where it fails to trace, the error must contain ``probe_error``.
+  a sound guard over the stale-graph sequences, exactly where the row says, on every backend
+  of ``probe_backends``; where it fails to trace, the error must contain the leg's
+  ``probe_error``.
 - ``sequences``: under the default policy, attn's own model runs each sequence below eagerly
   and compiled without fullgraph (every backend of ``sequence_backends``; inductor runs the
   ``stale`` one), and cache fill positions, cache contents and tokens must match eager at
   every step; passes that must leave the cache alone must leave it bit-for-bit. The graph
-  breaks of the first compiled forward must equal the leg's ``graph_breaks_per_forward``, and
+  breaks of the first compiled forward must equal the row's ``graph_breaks_per_forward``, and
   ``attn.cached_inference`` with ``fullgraph=True`` must compile the decode step once and
   never again over further steps. Sequences:
 
@@ -68,24 +72,20 @@ def _first_line(error: BaseException) -> str:
 # --- check 1: the policy --------------------------------------------------------------------
 
 
-def _claims(policy: str, traces: bool, decides: bool, breaks: int) -> dict:
-    return {"policy": policy, "traces_is_inference": traces, "decides_in_graph": decides, "graph_breaks": breaks}
-
-
-def check_policy(leg: matrix_data.Leg) -> dict:
+def check_policy(leg: matrix_data.Leg, row: compat.ReleaseSupport) -> dict:
     decision = compat.cache_policy()
-    row = compat.release_support()
+    installed = compat.torch_version()
     problems = []
-    if decision.policy.value != leg.policy:
-        problems.append(f"cache_policy() resolved to {decision.policy.value!r}, the leg expects {leg.policy!r}")
+    if leg.fixed_version and installed.release != compat.parse_torch_version(leg.fixed_version).release:
+        problems.append(f"torch {installed} is installed, the leg names {leg.fixed_version}")
+    if leg.floating and row.last is not None:
+        problems.append(f"torch {installed} falls in the bounded row {row.label!r}; {leg.torch} must be newer")
+    if decision.policy is not compat.DEFAULT_POLICY:
+        problems.append(
+            f"cache_policy() resolved to {decision.policy.value!r}, the default is {compat.DEFAULT_POLICY.value!r}"
+        )
     if decision.source != "default":
         problems.append(f"cache_policy() came from {decision.source!r}, not the release default")
-    want = _claims(leg.policy, leg.traces_is_inference, leg.decides_in_graph, leg.graph_breaks_per_forward)
-    got = _claims(
-        compat.DEFAULT_POLICY.value, row.traces_is_inference, row.decides_in_graph, row.graph_breaks_per_forward
-    )
-    if got != want:
-        problems.append(f"release_support() row {row.label!r} claims {got}, the leg claims {want}")
     return {
         "ok": not problems,
         "problems": problems,
@@ -99,8 +99,7 @@ def check_policy(leg: matrix_data.Leg) -> dict:
 # --- check 2: the probe ---------------------------------------------------------------------
 
 
-def check_probe(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
-    row = compat.release_support()
+def check_probe(leg: matrix_data.Leg, row: compat.ReleaseSupport, backends: tuple[str, ...]) -> dict:
     results = []
     problems = []
     for backend in backends:
@@ -115,14 +114,14 @@ def check_probe(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
         results.append(
             {"backend": backend, "traced": traced, "decides_in_graph": decides, "error": error, "seconds": seconds}
         )
-        for what, measured, leg_says, row_says in (
-            ("traced", traced, leg.traces_is_inference, row.traces_is_inference),
-            ("decides_in_graph", decides, leg.decides_in_graph, row.decides_in_graph),
+        for what, measured, row_says in (
+            ("traced", traced, row.traces_is_inference),
+            ("decides_in_graph", decides, row.decides_in_graph),
         ):
-            if measured != leg_says or measured != row_says:
+            if measured != row_says:
                 problems.append(
-                    f"{backend}: probe {what}={measured} ({error or 'no error'}); the leg says {leg_says}, "
-                    f"release_support() row {row.label!r} says {row_says}"
+                    f"{backend}: probe {what}={measured} ({error or 'no error'}); "
+                    f"RELEASES row {row.label!r} says {row_says}"
                 )
         if not traced and leg.probe_error and leg.probe_error not in (error or ""):
             problems.append(f"{backend}: error text {error!r} does not contain {leg.probe_error!r}")
@@ -301,7 +300,7 @@ def _fullgraph_decode_compiles_once() -> str | None:
     return None
 
 
-def check_sequences(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
+def check_sequences(row: compat.ReleaseSupport, backends: tuple[str, ...]) -> dict:
     runs = []
     problems = []
     for name in SEQUENCES:
@@ -318,10 +317,10 @@ def check_sequences(leg: matrix_data.Leg, backends: tuple[str, ...]) -> dict:
             else:
                 difference = _first_difference(eager, compiled)
                 entry.update(matches=difference is None, error=None, difference=difference, graph_breaks=breaks)
-                if breaks != leg.graph_breaks_per_forward:
+                if breaks != row.graph_breaks_per_forward:
                     problems.append(
                         f"{name} [{backend}]: the first compiled forward took {breaks} graph breaks, "
-                        f"the leg expects {leg.graph_breaks_per_forward}"
+                        f"RELEASES row {row.label!r} says {row.graph_breaks_per_forward}"
                     )
             entry["seconds"] = round(time.monotonic() - start, 1)
             runs.append(entry)
@@ -362,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     backends = data.settings.sequence_backends
     if args.sequence_backends:
         backends = tuple(b.strip() for b in args.sequence_backends.split(",") if b.strip())
+    row = compat.release_support()  # what this release must do: the one table
     checks = [
-        ("policy", lambda: check_policy(leg)),
-        ("probe", lambda: check_probe(leg, data.settings.probe_backends)),
-        ("sequences", lambda: check_sequences(leg, backends)),
+        ("policy", lambda: check_policy(leg, row)),
+        ("probe", lambda: check_probe(leg, row, data.settings.probe_backends)),
+        ("sequences", lambda: check_sequences(row, backends)),
     ]
     ok = True
     for name, run in checks:

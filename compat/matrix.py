@@ -1,7 +1,9 @@
 """The version matrix as data: loads compat/matrix.toml and renders the README's policy table.
 
-Standard library only: the runner (compat/run.py) imports it with whatever python3 starts
-the run, before any leg environment exists, and the tests import it by path.
+A leg names a torch release and how to test it; what the release must do is its row of
+``attn.compat.RELEASES`` (``release_support(version)``), never restated here. Standard
+library only: compat/noxfile.py and compat/run.py import it with whatever python runs them,
+before any leg environment exists, and the tests import it by path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ except ModuleNotFoundError:  # Python 3.10: the tomli backport, same API
     import tomli as tomllib
 
 MATRIX_FILE = Path(__file__).with_name("matrix.toml")
-POLICIES = ("inference", "flag")
 FLOATING = ("latest", "nightly")  # legs whose release is resolved when the run starts
 
 TABLE_START = "<!-- policy-table:start -->"
@@ -26,19 +27,19 @@ TABLE_END = "<!-- policy-table:end -->"
 
 @dataclass(frozen=True)
 class Leg:
-    """One torch release of the matrix and what the compat layer must do on it."""
+    """One torch release of the matrix and how to test it (what it must do: attn.compat.RELEASES)."""
 
     name: str
     torch: str
-    policy: str
-    traces_is_inference: bool
-    decides_in_graph: bool
-    graph_breaks_per_forward: int
-    why: str
     tests: str | tuple[str, ...] = "core"
     probe_error: str | None = None
-    lift_pip_cap: bool = False
     index_env: str | None = None
+    why: str = ""
+
+    @property
+    def session(self) -> str:
+        """The leg's nox session: ``nox -f compat/noxfile.py -s 'leg(2.6.0)'``."""
+        return f"leg({self.name})"
 
     @property
     def floating(self) -> bool:
@@ -61,6 +62,11 @@ class Settings:
     @property
     def home_path(self) -> Path:
         return Path(os.path.expanduser(os.environ.get("ATTN_MATRIX_HOME") or self.home))
+
+    def env_path(self, leg: Leg) -> Path:
+        """The leg's environment: nox names it after the session, ``leg(2.6.0)`` -> ``leg-2-6-0``
+        (the noxfile checks that nox agrees)."""
+        return self.home_path / re.sub(r"[^0-9A-Za-z_]+", "-", leg.session).strip("-").lower()
 
 
 @dataclass(frozen=True)
@@ -105,13 +111,13 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
         where = f"{path.name} leg #{index + 1} ({raw.get('name', '?')})"
         unknown = set(raw) - known
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
-        required = {"name", "torch", "policy", "traces_is_inference", "decides_in_graph", "graph_breaks_per_forward"}
-        missing = (required | {"why"}) - set(raw)
+            raise ValueError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}. What a release must do "
+                "is not a leg field: it is the release's row of attn.compat.RELEASES (release_support(version))"
+            )
+        missing = {"name", "torch"} - set(raw)
         if missing:
             raise ValueError(f"{where}: missing field(s) {sorted(missing)}")
-        if raw["policy"] not in POLICIES:
-            raise ValueError(f"{where}: policy is {raw['policy']!r}; use one of {POLICIES}")
         if raw["torch"] not in FLOATING and not _VERSION.match(raw["torch"]):
             raise ValueError(f"{where}: torch is {raw['torch']!r}; use X.Y.Z, 'latest' or 'nightly'")
         if raw["torch"] == "nightly" and not raw.get("index_env"):

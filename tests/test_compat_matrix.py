@@ -1,21 +1,23 @@
-"""The version matrix (compat/matrix.toml) and the package's release table agree.
+"""The version matrix (compat/) names releases; attn.compat.RELEASES says what each must do.
 
-Each leg of the matrix states the policy and tracing support its release must show; the
-runner proves them on that release. Here, on whatever release is installed, every leg's
-statement is checked against ``attn.compat.RELEASES`` (so the two cannot drift apart), and
-the README's policy table against the matrix (so the README cannot drift either).
+Each leg of compat/matrix.toml names a torch release, and the runner proves, on that release,
+the row of ``attn.compat.RELEASES`` that covers it. Here, on whatever release is installed:
+every row has a leg, the matrix restates no row (one table, no copy to drift), the runner
+lists the matrix's legs, and the README's policy table is the one the two render.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from attn import compat
-from attn.compat import RELEASES, release_support
+from attn.compat import RELEASES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,33 +37,6 @@ def _load_matrix_module():
 matrix_data = _load_matrix_module()
 MATRIX = matrix_data.load()
 FIXED = [leg for leg in MATRIX.legs if leg.fixed_version]
-FLOATING = [leg for leg in MATRIX.legs if leg.floating]
-
-
-def _leg_claims(leg) -> tuple:
-    return (leg.policy, leg.traces_is_inference, leg.decides_in_graph, leg.graph_breaks_per_forward)
-
-
-def _row_claims(row) -> tuple:
-    return (compat.DEFAULT_POLICY.value, row.traces_is_inference, row.decides_in_graph, row.graph_breaks_per_forward)
-
-
-@pytest.mark.parametrize("leg", FIXED, ids=[leg.name for leg in FIXED])
-def test_fixed_leg_agrees_with_release_table(leg) -> None:
-    row = release_support(leg.fixed_version)
-    assert _leg_claims(leg) == _row_claims(row), (
-        f"compat/matrix.toml leg {leg.name} claims (policy, traces, decides in graph, graph breaks) "
-        f"{_leg_claims(leg)}, but RELEASES row {row.label!r} gives {_row_claims(row)}"
-    )
-
-
-@pytest.mark.parametrize("leg", FLOATING, ids=[leg.name for leg in FLOATING])
-def test_floating_leg_agrees_with_open_ended_row(leg) -> None:
-    # `latest` and `nightly` are newer than every release the table names: the last,
-    # open-ended row covers them.
-    open_ended = [row for row in RELEASES if row.last is None]
-    assert len(open_ended) == 1
-    assert _leg_claims(leg) == _row_claims(open_ended[0])
 
 
 @pytest.mark.parametrize("row", RELEASES, ids=[row.label for row in RELEASES])
@@ -72,8 +47,11 @@ def test_every_release_row_is_proven_on_a_leg(row) -> None:
     )
 
 
-def test_the_default_policy_is_the_same_on_every_leg() -> None:
-    assert {leg.policy for leg in MATRIX.legs} == {compat.DEFAULT_POLICY.value}
+def test_floating_legs_have_the_open_ended_row() -> None:
+    # `latest` and `nightly` are newer than every release the table names: compat/legs.py
+    # holds them to the one open-ended row.
+    assert [row.last for row in RELEASES].count(None) == 1
+    assert {leg.name for leg in MATRIX.legs if leg.floating} == {"latest", "nightly"}
 
 
 def test_matrix_names_the_required_legs() -> None:
@@ -81,12 +59,36 @@ def test_matrix_names_the_required_legs() -> None:
     assert {"2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.13.0", "latest", "nightly"} <= names
 
 
-def test_matrix_rejects_a_bad_policy(tmp_path: Path) -> None:
-    text = (REPO / "compat" / "matrix.toml").read_text().replace('policy = "inference"', 'policy = "flagg"', 1)
+@pytest.mark.parametrize(
+    "claim", ["traces_is_inference = true", 'policy = "inference"', "graph_breaks_per_forward = 1"]
+)
+def test_matrix_refuses_a_leg_that_restates_the_release_table(tmp_path: Path, claim: str) -> None:
+    text = (REPO / "compat" / "matrix.toml").read_text().replace('name = "2.6.0"', f'name = "2.6.0"\n{claim}', 1)
     bad = tmp_path / "matrix.toml"
     bad.write_text(text)
-    with pytest.raises(ValueError, match="policy is 'flagg'"):
+    field = claim.split(" ")[0]
+    with pytest.raises(
+        ValueError, match=rf"leg #2 \(2\.6\.0\): unknown field\(s\) \['{field}'\].*attn\.compat\.RELEASES"
+    ):
         matrix_data.load(bad)
+
+
+def test_matrix_rejects_a_bad_test_selection(tmp_path: Path) -> None:
+    text = (REPO / "compat" / "matrix.toml").read_text().replace('tests = "core"', 'tests = "cor"', 1)
+    bad = tmp_path / "matrix.toml"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match="tests is 'cor'"):
+        matrix_data.load(bad)
+
+
+def test_runner_lists_the_legs_with_the_standard_library_alone() -> None:
+    out = subprocess.run(
+        [sys.executable, "-I", str(REPO / "compat" / "run.py"), "--list-json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == [leg.name for leg in MATRIX.legs]
 
 
 def test_readme_policy_table_matches_matrix() -> None:
@@ -98,6 +100,6 @@ def test_readme_policy_table_matches_matrix() -> None:
         "README.md has no policy table; paste the output of `.venv/bin/python compat/run.py --policy-table`"
     )
     assert block == expected, (
-        "README.md's policy table differs from compat/matrix.toml; replace it with the output of "
-        "`.venv/bin/python compat/run.py --policy-table`"
+        "README.md's policy table differs from attn.compat.RELEASES and compat/matrix.toml's legs; replace it "
+        "with the output of `.venv/bin/python compat/run.py --policy-table`"
     )
