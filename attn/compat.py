@@ -588,7 +588,8 @@ def warn_generation_fallback(reason: str) -> None:
     """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
     _warn_once(
         f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
-        f"on torch {_decision.torch_version}, {reason}. attn.generate runs it under torch.no_grad() "
+        f"on torch {_decision.torch_version}, {reason}. attn.generate and attn.score_continuations "
+        "run it under torch.no_grad() "
         "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
         "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
         "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "

@@ -13,9 +13,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from attn import compat
 from attn.attention import MultiHeadAttention
 
-__all__ = ["cached_inference", "disable_kv_cache", "kv_cache_mode", "local_kv_cache"]
+__all__ = ["cached_inference", "cached_passes", "disable_kv_cache", "kv_cache_mode", "local_kv_cache"]
 
 
 def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -78,6 +79,25 @@ def cached_inference(model: nn.Module) -> Iterator[nn.Module]:
     """
     with torch.inference_mode(), kv_cache_mode(model, True):
         yield model
+
+
+def cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]:
+    """Where attn's own loops (``attn.generate``, ``attn.score_continuations``) run passes that
+    use the cache: ``cached_inference(model)``, or, for a sharded model that cannot run under
+    inference mode on the installed release (``attn.compat.generation_fallback``),
+    ``torch.no_grad()`` with the flag: the same passes use the cache, warned once at the
+    caller's line."""
+    reason = compat.generation_fallback(model)
+    if reason is None:
+        return cached_inference(model)
+    compat.warn_generation_fallback(reason)
+    return _no_grad_with_flag(model)
+
+
+@contextmanager
+def _no_grad_with_flag(model: nn.Module) -> Iterator[None]:
+    with torch.no_grad(), kv_cache_mode(model, True):
+        yield
 
 
 @contextmanager

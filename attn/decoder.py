@@ -236,18 +236,18 @@ class TransformerDecoder(nn.Module):
         them (``KVCache.rewind``): roll back a rejected draft, or score another continuation
         of a prefilled context. Checked once, before any layer changes."""
         caches = self._caches_or_raise()
-        caches[0].rewind(fill)
+        caches[0].rewind(fill)  # every layer holds the same fill
         for cache in caches[1:]:
-            cache.rewind(fill if isinstance(fill, torch.Tensor) else torch.tensor(fill))
+            cache.rewind(fill, checked=True)
 
     def select_caches(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keeps the cache rows ``rows`` in every layer (``KVCache.select``): drop finished
         rows, reorder them, or copy one prompt's rows. Checked once, before any layer changes."""
         caches = self._caches_or_raise()
-        caches[0].select(rows)
-        index = torch.as_tensor(rows, device=caches[0].k_cache.device).long()
+        caches[0].select(rows)  # every layer holds the same rows
+        index = torch.as_tensor(rows, device=caches[0].k_cache.device)
         for cache in caches[1:]:
-            cache.select(index)
+            cache.select(index, checked=True)
 
     def fork_caches(self, num_copies: int) -> None:
         """Repeats every cache row ``num_copies`` times in place, row i becoming rows
@@ -257,7 +257,8 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"num_copies must be a positive int, got {num_copies!r}")
         caches = self._caches_or_raise()
         rows = torch.arange(caches[0].batch_size, device=caches[0].k_cache.device).repeat_interleave(num_copies)
-        self.select_caches(rows)
+        for cache in caches:
+            cache.select(rows, checked=True)  # in range by construction
 
     def _caches_or_raise(self) -> list[KVCache]:
         if not self.caches_are_setup():

@@ -28,13 +28,16 @@ Example (every rank, after ``torch.distributed.init_process_group``)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import Placement
 
 from attn import compat
 from attn.decoder import TransformerDecoder
@@ -131,6 +134,51 @@ def _decoder_layer_plan() -> dict[str, Any]:
     }
 
 
+def _dtensor_inputs(placement: Placement) -> Callable[[nn.Module, tuple[Any, ...], DeviceMesh], tuple[Any, ...]]:
+    """A ``distribute_module`` input_fn: ordinary tensor inputs become DTensors placed so."""
+
+    def input_fn(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(x, mesh, [placement], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    return input_fn
+
+
+def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _replicate_the_rest(model: TransformerDecoder, mesh: DeviceMesh) -> None:
+    """Makes every parameter the plan leaves whole (embedding, norms, output layer) a replicated
+    DTensor, computed on DTensor inputs and handing back ordinary tensors.
+
+    Optimizers need it: their multi-tensor (``foreach``) step, the default on CUDA, takes a
+    device's parameters in one call and refuses a mix of DTensors and tensors. The q/k norms
+    see this rank's heads only, (b, s, h / n, d), so their inputs are sharded on the head dim
+    and DTensor sums their weights' gradients over the ranks (each rank's is partial). With
+    tied embeddings the decoder multiplies the final norm's output by the embedding's weight,
+    so that norm hands back its DTensor and the model's output is made ordinary at the end.
+    """
+    tied = model.output is None
+    head_norms = [norm for layer in model.layers for norm in (layer.attn.q_norm, layer.attn.k_norm)]
+    for module in list(model.modules()):
+        if all(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            continue  # parallelized by the plan, or no parameters of its own
+        placement = Shard(2) if any(module is norm for norm in head_norms) else Replicate()
+        distribute_module(
+            module,
+            mesh,
+            input_fn=_dtensor_inputs(placement),
+            output_fn=None if tied and module is model.norm else _local_output,
+        )
+    if tied:
+        model.register_forward_hook(lambda module, inputs, output: _local_output(module, output, mesh))
+
+
 def parallelize_tensor(model: TransformerDecoder, mesh: DeviceMesh | None = None) -> TransformerDecoder:
     """Splits every decoder layer's heads and MLP across the ranks of ``mesh`` (tensor parallelism).
 
@@ -171,4 +219,5 @@ def parallelize_tensor(model: TransformerDecoder, mesh: DeviceMesh | None = None
         parallelize_module(layer, mesh, _decoder_layer_plan())
         layer.attn.num_heads = config.num_heads // ranks  # this rank's heads: (b, s, h / n, d)
         layer.attn.num_kv_heads = config.num_kv_heads // ranks
+    _replicate_the_rest(model, mesh)
     return model

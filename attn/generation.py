@@ -15,15 +15,13 @@ run it under inference mode (``attn.compat.generation_fallback``) runs under
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attn import compat
-from attn.context import cached_inference, kv_cache_mode
+from attn.context import cached_passes
 from attn.masks import left_pad, padding_positions, slot_mask
 
 __all__ = ["GenerationOutput", "generate"]
@@ -81,22 +79,6 @@ def _sample(
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (b,)
     logprobs = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)  # (b,)
     return tokens, logprobs
-
-
-def _cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]:
-    """``attn.cached_inference``, or, for a sharded model that cannot run under inference mode
-    on this release, ``torch.no_grad()`` with the flag (warned once, at the caller's line)."""
-    reason = compat.generation_fallback(model)
-    if reason is None:
-        return cached_inference(model)
-    compat.warn_generation_fallback(reason)
-    return _no_grad_with_flag(model)
-
-
-@contextlib.contextmanager
-def _no_grad_with_flag(model: nn.Module) -> Iterator[None]:
-    with torch.no_grad(), kv_cache_mode(model, True):
-        yield
 
 
 def _check_arguments(
@@ -262,7 +244,7 @@ def _decode(
     num_slots = model.kv_caches()[0].max_seq_len
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     all_logits = []
-    with _cached_passes(model):
+    with cached_passes(model):
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, L)
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)

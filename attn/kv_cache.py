@@ -147,7 +147,7 @@ class KVCache(nn.Module):
         self.last_write.fill_(s)
         return self.k_cache, self.v_cache
 
-    def rewind(self, fill: int | torch.Tensor) -> None:
+    def rewind(self, fill: int | torch.Tensor, *, checked: bool = False) -> None:
         """Crops the cache to its first ``fill`` tokens, as if it had never gone past them.
 
         The slots from ``fill`` on are zeroed, so the cache equals one that was only ever
@@ -157,6 +157,8 @@ class KVCache(nn.Module):
 
         Args:
             fill: tokens to keep, in ``[0, size]``.
+            checked: the caller checked ``fill`` against a cache of the same fill already (the
+                decoder does, once for all its layers); skips the host read.
 
         Raises:
             ValueError: ``fill`` is not an integer in ``[0, size]``; the cache is unchanged.
@@ -169,7 +171,7 @@ class KVCache(nn.Module):
         elif not isinstance(fill, int) or isinstance(fill, bool):
             raise ValueError(f"rewind takes an int or a 0-dim integer tensor, got {fill!r}")
         self._check_rows(self.batch_size)
-        if not torch.compiler.is_compiling():
+        if not checked and not torch.compiler.is_compiling():
             filled, wanted = self.size, int(fill)
             if not 0 <= wanted <= filled:
                 raise ValueError(
@@ -182,7 +184,7 @@ class KVCache(nn.Module):
         self.cache_pos.fill_(fill)
         self.last_write.zero_()
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> None:
+    def select(self, rows: Sequence[int] | torch.Tensor, *, checked: bool = False) -> None:
         """Keeps the cache rows ``rows``, in that order: a row may appear many times (a
         fork) or not at all. The batch size becomes ``len(rows)``.
 
@@ -191,6 +193,8 @@ class KVCache(nn.Module):
 
         Args:
             rows: 1-D row indices in ``[0, batch_size)``.
+            checked: the caller checked ``rows`` against a cache of the same batch size
+                already (the decoder does, once for all its layers); skips the host read.
 
         Raises:
             ValueError: ``rows`` is empty, not 1-D integers, or out of range; the cache is
@@ -200,11 +204,12 @@ class KVCache(nn.Module):
         index = torch.as_tensor(rows, device=self.k_cache.device)
         if index.dim() != 1 or index.numel() == 0 or index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"rows must be a non-empty 1-D sequence of row indices, got {rows!r}")
-        low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
-        if low < 0 or high >= self.batch_size:
-            raise ValueError(
-                f"rows must be in [0, {self.batch_size}) (the cache's batch size), got min {low} and max {high}"
-            )
+        if not checked:
+            low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
+            if low < 0 or high >= self.batch_size:
+                raise ValueError(
+                    f"rows must be in [0, {self.batch_size}) (the cache's batch size), got min {low} and max {high}"
+                )
         with torch.inference_mode(False):  # fresh buffers are normal tensors, as in __init__
             self.k_cache = self.k_cache[index.long()]
             self.v_cache = self.v_cache[index.long()]

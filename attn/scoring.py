@@ -11,8 +11,10 @@ of it, after which the cache is rewound to the context (``rewind_caches``) for t
 chunk. Every chunk has the same shape (a short last chunk is padded with copies), so a
 compiled model compiles one graph for the prefill and one for the continuations.
 
-All passes run under ``attn.cached_inference`` (explicit, no inference-mode test), on caches
-set up for the call and torn down after: a model's own caches are never touched.
+All passes run under ``attn.cached_inference`` (explicit, no inference-mode test; a sharded
+model that cannot take inference mode runs under ``torch.no_grad()`` with the flag, as in
+``attn.generate``), on caches set up for the call and torn down after: a model's own caches
+are never touched.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attn.context import cached_inference, local_kv_cache
+from attn.context import cached_passes, local_kv_cache
 
 __all__ = ["ContinuationScore", "score_continuations"]
 
@@ -79,7 +81,7 @@ def score_continuations(
     longest = max(map(len, continuations))
     device = model.tok_embeddings.weight.device
     scores: list[ContinuationScore] = []
-    with local_kv_cache(model, batch_size=1, max_seq_len=len(context) + longest - 1), cached_inference(model):
+    with local_kv_cache(model, batch_size=1, max_seq_len=len(context) + longest - 1), cached_passes(model):
         prompt = torch.tensor([context], device=device)  # (1, C)
         first = model(prompt, last_only=True, checked=True)[0, -1].float().log_softmax(-1)  # (v,)
         model.select_caches([0] * rows)  # the context, r times

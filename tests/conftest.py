@@ -154,3 +154,20 @@ def write_tokenizer_files(
         fields["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(fields, indent=2))
     return tokenizer
+
+
+class HostSyncCounter:
+    """Counts host reads of tensor values by wrapping the Tensor methods that make them."""
+
+    METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor: torch.Tensor, *args: object, _original=original, **kwargs: object) -> object:
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)

@@ -18,6 +18,7 @@ results (all scenarios, or the ones named)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -50,10 +51,15 @@ CONFIG = attn.DecoderConfig(
 PROMPTS = ([[5, 9, 3], [7, 2, 11, 4, 8]], [[13, 1, 6, 6], [21, 30]])
 
 
-def build_model() -> attn.TransformerDecoder:
+# The same with what Qwen checkpoints switch on: tied embeddings (the output layer multiplies
+# by the embedding's weight), q/k/v biases and per-head q/k norms.
+QWEN_CONFIG = dataclasses.replace(CONFIG, tie_embeddings=True, qkv_bias=True, qk_norm=True)
+
+
+def build_model(config: attn.DecoderConfig = CONFIG) -> attn.TransformerDecoder:
     """The tiny decoder of tests/conftest.py: weights scaled up, far from uniform outputs."""
     torch.manual_seed(0)
-    model = attn.TransformerDecoder(CONFIG)
+    model = attn.TransformerDecoder(config)
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
@@ -115,7 +121,9 @@ def run_cycles(
     rank's rows); everything the test compares, per cycle."""
     runner = torch.compile(model, backend=BACKEND, dynamic=False) if compiled else model
     graphs = torch._dynamo.utils.counters["stats"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    # foreach: the multi-tensor step CUDA takes by default, on every device (it refuses a mix
+    # of DTensor and ordinary parameters).
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, foreach=True)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     prompts = rank_prompts[rank]
     rows, width = len(prompts), max(map(len, prompts))
@@ -153,7 +161,8 @@ def run_cycles(
             name, mode = loops[cycle % len(loops)]
             # Each row repeated to the padded width: the shapes of generate's passes (new shapes
             # cost tensor-parallel linears seconds each under inference mode, in DTensor's first dispatch).
-            prompt = torch.tensor([[row[i % len(row)] for i in range(width)] for row in prompts])  # (b, P)
+            padded = [[row[i % len(row)] for i in range(width)] for row in prompts]
+            prompt = torch.tensor(padded, device=out.tokens.device)  # (b, P)
             result["loop"] = name
             result["loop_tokens"] = decode_loop(model, prompt, lambda mode=mode: mode(model))
             result["ref_loop_tokens"] = decode_loop(reference, prompt, lambda: attn.cached_inference(reference))
@@ -161,7 +170,7 @@ def run_cycles(
             optimizer.zero_grad()
         result["seconds"] = time.perf_counter() - start
         cycles.append(result)
-    return {"cycles": cycles, "initial_weights": full_weights(build_model())}
+    return {"cycles": cycles, "initial_weights": full_weights(build_model(reference.config))}
 
 
 def user_loops(inference_mode_works: bool) -> list[tuple[str, Callable[[nn.Module], Any]]]:
@@ -184,6 +193,16 @@ def _no_grad_flag(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def _fully_shard_by_hand(model: attn.TransformerDecoder) -> None:
+    fsdp = compat.fsdp_api()
+    # Where gloo sums when asked to average, FSDP2 must reduce in another dtype to average.
+    averages = compat.gloo_reduce_scatter_averages(dist.group.WORLD)
+    mp_policy = fsdp.MixedPrecisionPolicy(reduce_dtype=None if averages else torch.float64)
+    for layer in model.layers:
+        fsdp.fully_shard(layer, mp_policy=mp_policy)
+    fsdp.fully_shard(model, mp_policy=mp_policy)
+
+
 def fsdp_scenario(rank: int, compiled: bool, by_hand: bool) -> dict[str, Any]:
     """FSDP2 on every layer and the root: with attn.distributed.shard_fsdp, or ``by_hand``
     with fully_shard as a new user would (no preparation: only attn.generate's fallback).
@@ -192,23 +211,30 @@ def fsdp_scenario(rank: int, compiled: bool, by_hand: bool) -> dict[str, Any]:
 
     model, reference = build_model(), build_model()
     if by_hand:
-        fsdp = compat.fsdp_api()
-        # Where gloo sums when asked to average, FSDP2 must reduce in another dtype to average.
-        averages = compat.gloo_reduce_scatter_averages(dist.group.WORLD)
-        mp_policy = fsdp.MixedPrecisionPolicy(reduce_dtype=None if averages else torch.float64)
-        for layer in model.layers:
-            fsdp.fully_shard(layer, mp_policy=mp_policy)
-        fsdp.fully_shard(model, mp_policy=mp_policy)
+        _fully_shard_by_hand(model)
     else:
         attn.distributed.shard_fsdp(model)
     loops = [] if compiled else user_loops(not by_hand or compat.release_support().fsdp_inference_mode)
     return run_cycles(model, reference, list(PROMPTS), rank, compiled, loops)
 
 
-def tensor_parallel_scenario(rank: int, compiled: bool) -> dict[str, Any]:
+def fsdp_scoring_first(rank: int, by_hand: bool) -> dict[str, Any]:
+    """Shared-context scoring as the first pass of a freshly sharded model, then a grad pass
+    (it fails where scoring left FSDP2's unsharded parameters as inference tensors)."""
     import attn.distributed
 
-    model, reference = attn.distributed.parallelize_tensor(build_model()), build_model()
+    model, reference = build_model(), build_model()
+    _fully_shard_by_hand(model) if by_hand else attn.distributed.shard_fsdp(model)
+    context, continuations = PROMPTS[rank][1], [[3, 8], [40], [2, 2, 9]]
+    scores = attn.score_continuations(model, context, continuations)
+    model(torch.tensor([context])).float().logsumexp(-1).mean().backward()
+    return {"scores": scores, "ref_scores": attn.score_continuations(reference, context, continuations)}
+
+
+def tensor_parallel_scenario(rank: int, compiled: bool, config: attn.DecoderConfig = CONFIG) -> dict[str, Any]:
+    import attn.distributed
+
+    model, reference = attn.distributed.parallelize_tensor(build_model(config)), build_model(config)
     loops = [] if compiled else user_loops(compat.release_support().tensor_parallel_inference_mode)
     return run_cycles(model, reference, [PROMPTS[0]] * WORLD_SIZE, rank, compiled, loops)
 
@@ -242,7 +268,10 @@ SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
     "refusals": refusals,
     "fsdp": lambda rank: fsdp_scenario(rank, compiled=False, by_hand=False),
     "fsdp_by_hand": lambda rank: fsdp_scenario(rank, compiled=False, by_hand=True),
+    "fsdp_scoring_first": lambda rank: fsdp_scoring_first(rank, by_hand=False),
+    "fsdp_by_hand_scoring_first": lambda rank: fsdp_scoring_first(rank, by_hand=True),
     "tensor_parallel": lambda rank: tensor_parallel_scenario(rank, compiled=False),
+    "tensor_parallel_qwen": lambda rank: tensor_parallel_scenario(rank, compiled=False, config=QWEN_CONFIG),
     "fsdp_by_hand_compiled": lambda rank: fsdp_scenario(rank, compiled=True, by_hand=True),
     "tensor_parallel_compiled": lambda rank: tensor_parallel_scenario(rank, compiled=True),
 }

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import attn
 from attn import DecoderConfig, TransformerDecoder, padded_causal_mask, padding_positions
 
-from .conftest import assert_cache_unchanged, cache_state, tiny_config, tiny_model
+from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, tiny_config, tiny_model
 from .reference import reference_decoder
 
 
@@ -354,3 +354,22 @@ def test_decode_after_rewinds_compiles_nothing_new() -> None:
         again = compiled(step)
     assert counter.frame_count == 2, counter.frame_count  # the prefill and one decode graph
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_layers", [1, 6])
+def test_cache_operations_check_once_for_every_layer(monkeypatch: pytest.MonkeyPatch, num_layers: int) -> None:
+    """rewind_caches and select_caches read their argument's bounds once (one host sync), not
+    once per layer; fork_caches reads nothing."""
+    model = tiny_model(3, num_layers=num_layers)
+    model.setup_caches(2, 16)
+    with torch.inference_mode():
+        model(torch.randint(0, 61, (2, 5)))
+    counter = HostSyncCounter(monkeypatch)
+    model.rewind_caches(3)
+    model.select_caches([1, 0, 1])
+    counts = [counter.count]
+    model.fork_caches(2)
+    counts.append(counter.count)
+    assert counts == [2, 2], counts
+    assert [c.batch_size for c in model.kv_caches()] == [6] * num_layers
+    assert all(int(c.size) == 3 for c in model.kv_caches())

@@ -62,7 +62,16 @@ def test_sharding_needs_a_process_group(name: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's results: the probe, the refusals, FSDP2 and tensor-parallel PPO cycles."""
-    names = ["probe", "refusals", "fsdp", "fsdp_by_hand", "tensor_parallel"]
+    names = [
+        "probe",
+        "refusals",
+        "fsdp",
+        "fsdp_by_hand",
+        "fsdp_scoring_first",
+        "fsdp_by_hand_scoring_first",
+        "tensor_parallel",
+        "tensor_parallel_qwen",
+    ]
     return launch(str(tmp_path_factory.mktemp("distributed")), names)
 
 
@@ -112,6 +121,24 @@ def test_fsdp_by_hand_ppo_cycles_equal_the_unsharded_model(ranks: list[dict[str,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp_scoring_first", "fsdp_by_hand_scoring_first"])
+@pytest.mark.parametrize("rank", RANKS)
+def test_fsdp_shared_context_scores_equal_the_unsharded_model(
+    ranks: list[dict[str, Any]], rank: int, name: str
+) -> None:
+    """attn.score_continuations as the first pass of a sharded model, then a grad pass (the
+    worker runs it: it failed with "Inplace update to inference tensor outside InferenceMode" while
+    scoring ran under inference mode on a model sharded by hand)."""
+    outcome = fsdp_outcome(ranks[rank], name)
+    assert "error" not in outcome, outcome.get("traceback")
+    torch.testing.assert_close(
+        torch.tensor([score.logprob for score in outcome["scores"]]),
+        torch.tensor([score.logprob for score in outcome["ref_scores"]]),
+    )
+    assert [s.greedy for s in outcome["scores"]] == [s.greedy for s in outcome["ref_scores"]]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", RANKS)
 def test_fsdp_cache_holds_every_head_of_the_rank_rows(ranks: list[dict[str, Any]], rank: int) -> None:
     rows, width = len(PROMPTS[rank]), max(map(len, PROMPTS[rank]))
@@ -132,7 +159,7 @@ def test_shard_fsdp_refuses_cpu_where_fsdp2_cannot_run(ranks: list[dict[str, Any
 def test_generation_falls_back_with_one_warning(ranks: list[dict[str, Any]], rank: int) -> None:
     """One warning per kind of sharded model that generates under no_grad with the flag (where
     FSDP2 cannot run on CPU, the model sharded by hand warns before torch's error)."""
-    warned = [w for w in ranks[rank]["warnings"] if "attn.generate runs it under torch.no_grad()" in w]
+    warned = [w for w in ranks[rank]["warnings"] if "attn.score_continuations run it under torch.no_grad()" in w]
     expected = []
     if not ROW.fsdp_inference_mode:
         expected.append("a model sharded with FSDP2")
@@ -151,6 +178,16 @@ def test_tensor_parallel_ppo_cycles_equal_the_unsharded_model(ranks: list[dict[s
     compare_cycles(outcome, compiled=False)
     loops = {c["loop"] for c in outcome["cycles"]}
     assert ("torch.inference_mode()" in loops) is ROW.tensor_parallel_inference_mode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", RANKS)
+def test_tensor_parallel_qwen_features_equal_the_unsharded_model(ranks: list[dict[str, Any]], rank: int) -> None:
+    """Tied embeddings, q/k/v biases and q/k norms under tensor parallelism: the q/k norms see
+    each rank's heads only, so their weights' gradients must be summed over the ranks (without
+    it the updated q_norm weights were 0.02 off after one step); the optimizer's multi-tensor
+    step takes every parameter at once (it refused the embedding and norms as plain tensors)."""
+    compare_cycles(ranks[rank]["tensor_parallel_qwen"], compiled=False)
 
 
 @pytest.mark.slow

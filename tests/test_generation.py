@@ -11,7 +11,7 @@ import attn
 from attn import generate, padded_causal_mask
 from attn.compat import CachePolicy
 
-from .conftest import assert_cache_unchanged, cache_state, tiny_model
+from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, tiny_model
 
 
 def naive_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
@@ -174,23 +174,6 @@ def test_existing_cache_too_small_is_refused_before_reset() -> None:
     with pytest.raises(ValueError, match=r"batch_size 1 and max_seq_len >= 4, but the model's cache has batch_size 2"):
         generate(model, [[1, 2]], max_new_tokens=2)
     assert_cache_unchanged(model, before)
-
-
-class HostSyncCounter:
-    """Counts host reads of tensor values by wrapping the Tensor methods that make them."""
-
-    METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        for name in self.METHODS:
-            original = getattr(torch.Tensor, name)
-
-            def counted(tensor: torch.Tensor, *args: object, _original=original, **kwargs: object) -> object:
-                self.count += 1
-                return _original(tensor, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
 
 
 @pytest.mark.parametrize(("with_stop_token", "per_step"), [(True, 1), (False, 0)])
