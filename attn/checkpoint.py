@@ -16,9 +16,10 @@ qwen2      Qwen2ForCausalLM      q/k/v biases (Qwen2, Qwen2.5)
 qwen3      Qwen3ForCausalLM      per-head q/k RMSNorm, explicit ``head_dim``
 =========  ====================  =====================================================
 
-RoPE: plain, ``linear`` and ``llama3`` scaling (Llama 3.1-3.3); ``dynamic`` runs as plain
-RoPE within the original context, to which it then caps ``max_seq_len``. Refused, with an
-error naming the option: ``yarn`` and other RoPE types, partial rotary, MLP biases,
+RoPE: plain, ``linear``, ``llama3`` (Llama 3.1-3.3) and ``yarn`` scaling (Qwen2.5/Qwen3's long
+context: ``max_seq_len`` becomes at least ``factor`` times the original context); ``dynamic``
+runs as plain RoPE within the original context, to which it then caps ``max_seq_len``.
+Refused, with an error naming the option: ``longrope`` and other RoPE types, partial rotary, MLP biases,
 activations other than SiLU, per-layer sliding windows (Qwen's ``use_sliding_window``),
 quantized tensors.
 
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import warnings
@@ -190,7 +192,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
     Raises:
         UnsupportedArchitectureError: ``model_type`` / ``architectures`` is not one of
             ``SUPPORTED_ARCHITECTURES``.
-        UnsupportedConfigError: an option attn does not implement (yarn RoPE, MLP biases,
+        UnsupportedConfigError: an option attn does not implement (longrope RoPE, MLP biases,
             an activation other than SiLU, per-layer sliding windows).
         InvalidConfigError: a required key is missing or has the wrong type.
 
@@ -218,7 +220,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_dim=_get_int(hf_config, "intermediate_size"),
-            max_seq_len=min(max_seq_len, rope_context),
+            max_seq_len=rope_context,
             norm_eps=_get_float(hf_config, "rms_norm_eps", default=1e-6),
             rope_base=rope_base,
             rope_scaling=rope_scaling,
@@ -253,6 +255,11 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
                 "high_freq_factor": config.rope_scaling.high_freq_factor,
                 "original_max_position_embeddings": config.rope_scaling.original_max_seq_len,
             }
+        if config.rope_scaling.kind == "yarn":  # the keys that differ from transformers' defaults
+            yarn = config.rope_scaling
+            rope["original_max_position_embeddings"] = yarn.original_max_seq_len
+            optional = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
+            rope |= {key: getattr(yarn, key) for key, default in optional.items() if getattr(yarn, key) != default}
     hf_config: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -383,11 +390,15 @@ def _sliding_window(hf_config: Mapping[str, Any], model_type: str, max_seq_len: 
     return window
 
 
-_ROPE_KINDS = ("default", "linear", "llama3", "dynamic")
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 def _rope(hf_config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeScaling | None, int]:
-    """(base, scaling, the positions it is valid for) from the RoPE keys of config.json."""
+    """(base, scaling, the positions the model runs) from the RoPE keys of config.json.
+
+    The positions are ``max_position_embeddings`` (``max_seq_len``), except: ``dynamic``, at
+    most its original context; ``yarn``, at least ``factor`` times its original context (what
+    Qwen's instructions enable by adding ``rope_scaling`` alone, as vLLM reads it)."""
     for key in ("rope_scaling", "rope_parameters"):
         value = hf_config.get(key)
         if value is not None and not isinstance(value, Mapping):
@@ -423,10 +434,13 @@ def _rope(hf_config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeSc
                 CheckpointWarning,
                 stacklevel=4,
             )
-        return base, None, original
+        return base, None, min(original, max_seq_len)
     try:
         if rope_type == "linear":
             return base, RopeScaling("linear", _get_float(params, "factor", default=_NO_DEFAULT)), max_seq_len
+        if rope_type == "yarn":
+            scaling = _yarn(params, max_seq_len)
+            return base, scaling, max(max_seq_len, int(scaling.original_max_seq_len * scaling.factor))
         scaling = RopeScaling(
             "llama3",
             factor=_get_float(params, "factor", default=_NO_DEFAULT),
@@ -439,6 +453,30 @@ def _rope(hf_config: Mapping[str, Any], max_seq_len: int) -> tuple[float, RopeSc
     except ValueError as err:
         raise InvalidConfigError(f"{key}: {err}") from None
     return base, scaling, max_seq_len
+
+
+def _yarn(params: Mapping[str, Any], max_seq_len: int) -> RopeScaling:
+    """YaRN's keys, with transformers' defaults: ``original_max_position_embeddings`` is
+    ``max_position_embeddings``, a null ``factor`` their ratio, ``attention_factor`` from
+    ``mscale`` / ``mscale_all_dim`` where both are given (DeepSeek's spelling)."""
+    original = _get_int(params, "original_max_position_embeddings", default=max_seq_len)
+    factor = params.get("factor")
+    factor = max_seq_len / original if factor is None else _get_float(params, "factor", default=_NO_DEFAULT)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is not None:
+        attention_factor = _get_float(params, "attention_factor", default=_NO_DEFAULT)
+    elif params.get("mscale") and params.get("mscale_all_dim") and factor > 1:
+        mscale, mscale_all_dim = (_get_float(params, key, default=_NO_DEFAULT) for key in ("mscale", "mscale_all_dim"))
+        attention_factor = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    return RopeScaling(
+        "yarn",
+        factor=factor,
+        original_max_seq_len=original,
+        beta_fast=_get_float(params, "beta_fast", default=None) if params.get("beta_fast") else 32.0,
+        beta_slow=_get_float(params, "beta_slow", default=None) if params.get("beta_slow") else 1.0,
+        attention_factor=attention_factor,
+        truncate=_get_bool(params, "truncate", default=True),
+    )
 
 
 def _rope_theta(params: Mapping[str, Any], hf_config: Mapping[str, Any]) -> float:

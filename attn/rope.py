@@ -24,13 +24,21 @@ class RopeScaling:
     """How a checkpoint stretches RoPE's frequencies (``rope_scaling`` in ``config.json``).
 
     Attributes:
-        kind: ``"linear"`` (every frequency divided by ``factor``) or ``"llama3"`` (Llama
-            3.1+: low frequencies divided by ``factor``, high ones kept, a smooth blend
-            between).
+        kind: ``"linear"`` (every frequency divided by ``factor``), ``"llama3"`` (Llama 3.1+:
+            low frequencies divided by ``factor``, high ones kept, a smooth blend between) or
+            ``"yarn"`` (YaRN, Qwen2.5/Qwen3's long context: the same three bands, counted in
+            turns per original context, and the attention logits scaled up).
         factor: the stretch.
         low_freq_factor, high_freq_factor: ``llama3`` only: the wavelength band, as fractions
             of ``original_max_seq_len``, over which the blend runs.
-        original_max_seq_len: ``llama3`` only: the context the model was pretrained on.
+        original_max_seq_len: ``llama3`` and ``yarn``: the context the model was pretrained on.
+        beta_fast, beta_slow: ``yarn`` only: channel pairs that turn more than ``beta_fast``
+            times over the original context are kept, fewer than ``beta_slow`` times
+            stretched, and those between blend.
+        attention_factor: ``yarn`` only: cos and sin are multiplied by it (so q.k by its
+            square); None: ``0.1 ln(factor) + 1``, the paper's.
+        truncate: ``yarn`` only: round the blend's channel bounds outwards to whole pairs
+            (transformers' default; False for checkpoints that say ``"truncate": false``).
     """
 
     kind: str
@@ -38,20 +46,38 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise ValueError(f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}")
+        if self.kind not in ("linear", "llama3", "yarn"):
+            raise ValueError(f"RopeScaling.kind must be 'linear', 'llama3' or 'yarn', got {self.kind!r}")
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be positive, got {self.factor!r}")
-        if self.kind == "llama3":
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
-                raise ValueError(
-                    f"RopeScaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
-                    f"({self.high_freq_factor})"
-                )
-            if self.original_max_seq_len <= 0:
-                raise ValueError(f"RopeScaling.original_max_seq_len must be positive, got {self.original_max_seq_len}")
+        if self.original_max_seq_len <= 0:
+            raise ValueError(f"RopeScaling.original_max_seq_len must be positive, got {self.original_max_seq_len}")
+        if self.kind == "yarn" and not 0 < self.beta_slow <= self.beta_fast:
+            raise ValueError(
+                f"RopeScaling (yarn) needs 0 < beta_slow ({self.beta_slow}) <= beta_fast ({self.beta_fast})"
+            )
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ValueError(f"RopeScaling.attention_factor must be positive, got {self.attention_factor!r}")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
+                f"({self.high_freq_factor})"
+            )
+
+    @property
+    def attention_scale(self) -> float:
+        """What cos and sin are multiplied by: 1, except for ``yarn``."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 def inverse_frequencies(
@@ -60,11 +86,14 @@ def inverse_frequencies(
     """The (d/2,) fp32 angular frequencies: channel pair i turns ``base ** (-2i/d)`` per position,
     then stretched by ``scaling``."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq = 1.0 / (base**exponents)  # (d/2,)
+    positions_per_radian = base**exponents  # (d/2,)
+    inv_freq = 1.0 / positions_per_radian  # (d/2,)
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn(positions_per_radian, head_dim, base, scaling)
     # llama3: wavelengths longer than the pretrained context / low_freq_factor are stretched
     # by factor, shorter than context / high_freq_factor are kept, and those between blend
     # linearly in (context / wavelength).
@@ -75,6 +104,25 @@ def inverse_frequencies(
     stretched = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
     in_band = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
     return torch.where(in_band, blended, stretched)
+
+
+def _yarn(positions_per_radian: torch.Tensor, head_dim: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's blend of the (d/2,) frequencies: pair i keeps its frequency if it turns more than
+    ``beta_fast`` times over the original context, is divided by ``factor`` if fewer than
+    ``beta_slow`` times, and blends linearly in i between."""
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair that turns `turns` times
+        return head_dim * math.log(scaling.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    first, last = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        first, last = math.floor(first), math.ceil(last)
+    first, last = max(first, 0), min(last, head_dim - 1)
+    span = last - first if last != first else 0.001
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32, device=positions_per_radian.device)
+    kept = 1 - ((pairs - first) / span).clamp(0, 1)  # (d/2,): 1 keeps the frequency, 0 stretches it
+    stretched = 1.0 / (scaling.factor * positions_per_radian)
+    return stretched * (1 - kept) + (1.0 / positions_per_radian) * kept  # (d/2,)
 
 
 class RotaryEmbedding(nn.Module):
@@ -105,7 +153,8 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
             angles = torch.outer(positions, inv_freq)  # (L, d/2)
             angles = torch.cat((angles, angles), dim=-1)  # (L, d)
-            return torch.stack((angles.cos(), angles.sin()))  # (2, L, d)
+            scale = 1.0 if self.scaling is None else self.scaling.attention_scale
+            return torch.stack((angles.cos(), angles.sin())) * scale  # (2, L, d)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # Follow device moves, but rebuild the table in fp32 instead of casting it.

@@ -8,6 +8,7 @@ checks the same loader against transformers itself).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,39 @@ def test_dynamic_rope_runs_as_plain_rope_within_the_original_context(
         torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("rope", "max_seq_len", "attention_scale"),
+    [
+        # Qwen's instructions: rope_scaling added, max_position_embeddings (64) left alone.
+        ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128, 0.1 * math.log(4.0) + 1),
+        # no original context: max_position_embeddings; no factor: their ratio (here 1)
+        ({"rope_type": "yarn", "factor": None}, 64, 1.0),
+        # DeepSeek's spelling of the attention factor
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+            },
+            64,
+            (0.1 * math.log(2.0) + 1) / (0.05 * math.log(2.0) + 1),
+        ),
+    ],
+)
+def test_yarn_runs_to_factor_times_its_original_context(
+    saved: tuple[attn.TransformerDecoder, Path], rope: dict, max_seq_len: int, attention_scale: float
+) -> None:
+    _, directory = saved
+    _write(directory, config={**_config(directory), "rope_scaling": rope})
+    loaded = load_pretrained(directory)
+    assert loaded.config.max_seq_len == max_seq_len and loaded.config.rope_scaling is not None
+    assert loaded.config.rope_scaling.kind == "yarn"
+    assert loaded.config.rope_scaling.attention_scale == pytest.approx(attention_scale, rel=1e-12)
+    assert load_pretrained(directory, max_seq_len=16).config.max_seq_len == 16
+
+
 def test_attention_dropout_is_ignored_with_a_warning(saved: tuple[attn.TransformerDecoder, Path]) -> None:
     model, directory = saved
     _write(directory, config={**_config(directory), "attention_dropout": 0.1})
@@ -335,10 +369,10 @@ BAD_CONFIGS = [
     ),
     # unsupported options
     (
-        "yarn rope",
-        _set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+        "longrope rope",
+        _set(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
         UnsupportedConfigError,
-        r"rope_parameters has rope_type 'yarn', which attn does not implement .* remove the rope scaling",
+        r"rope_parameters has rope_type 'longrope', which attn does not implement .* remove the rope scaling",
     ),
     (
         "llama3 rope without its band",

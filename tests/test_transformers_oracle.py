@@ -104,6 +104,37 @@ CASES = [
             rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0),
         ),
     ),
+    # YaRN as Qwen's instructions enable it (factor 4 over an original context of 16: the
+    # sequences run to 45), and with every key spelled out: beta bounds, an attention factor,
+    # no truncation.
+    OracleCase(
+        "yarn-qwen3",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16),
+        ),
+        "Qwen3",
+    ),
+    OracleCase(
+        "yarn-every-key-tied",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=1e4,
+                factor=3.0,
+                original_max_position_embeddings=20,
+                beta_fast=16.0,
+                beta_slow=2.0,
+                attention_factor=1.3,
+                truncate=False,
+            ),
+        ),
+    ),
     OracleCase("qwen2-gqa-tied", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), "Qwen2"),
     OracleCase(
         "qwen3-headdim32-untied",
@@ -204,7 +235,7 @@ def test_rope_frequencies_match_transformers(pair: Pair) -> None:
         expected = pair.hf.model.rotary_emb.inv_freq
     else:
         expected, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](pair.hf.config, torch.device("cpu"))
-        assert attention_factor == 1.0
+        assert attention_factor == pytest.approx(pair.ours.config.rope_scaling.attention_scale, rel=1e-12)
     config = pair.ours.config
     actual = inverse_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
