@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn
 from attn import generate, padded_causal_mask
 from attn.compat import CachePolicy
+from attn.generation import _draw
 
 from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, tiny_model
 
@@ -281,3 +282,22 @@ def test_compiled_samples_compile_a_prefill_and_one_decode_graph() -> None:
     out = generate(compiled, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3)
     assert counter.frame_count == 2, counter.frame_count  # prefill (2 rows) + decode (6 rows)
     assert torch.equal(out.tokens, generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3).tokens)
+
+
+@settings(deadline=None)
+@given(
+    weights=st.lists(st.sampled_from([0.0, 0.0, 0.5, 1.0, 2.0, 8.0]), min_size=2, max_size=12).filter(any),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sampling_draws_each_token_at_its_probability(weights: list[float], seed: int) -> None:
+    """The sampler against the distribution it is given: token frequencies over 20,000 draws
+    within 5 standard deviations of the probabilities, never a token of probability 0, and
+    the same draws again from the same generator."""
+    probs = torch.tensor(weights) / sum(weights)  # (v,)
+    rows = probs.expand(20_000, -1)  # (n, v)
+    drawn = _draw(rows, torch.Generator().manual_seed(seed))  # (n,)
+    assert torch.equal(drawn, _draw(rows, torch.Generator().manual_seed(seed)))
+    assert (probs[drawn] > 0).all()
+    frequencies = torch.bincount(drawn, minlength=len(weights)).double() / len(drawn)
+    spread = (probs.double() * (1 - probs.double()) / len(drawn)).sqrt()
+    assert ((frequencies - probs.double()).abs() <= 5 * spread + 1e-12).all(), (frequencies, probs)
