@@ -16,7 +16,14 @@ from torch import nn
 from attn import compat
 from attn.attention import MultiHeadAttention
 
-__all__ = ["cached_inference", "cached_passes", "disable_kv_cache", "kv_cache_mode", "local_kv_cache"]
+__all__ = [
+    "cached_inference",
+    "cached_passes",
+    "disable_kv_cache",
+    "kv_cache_mode",
+    "local_kv_cache",
+    "uncached_passes",
+]
 
 
 def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
@@ -98,6 +105,19 @@ def cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]
 def _no_grad_with_flag(model: nn.Module) -> Iterator[None]:
     with torch.no_grad(), kv_cache_mode(model, True):
         yield
+
+
+@contextmanager
+def uncached_passes(model: nn.Module) -> Iterator[nn.Module]:
+    """Where attn's own scoring runs passes that must not touch the cache (the lm-eval
+    adapter's full passes): ``torch.inference_mode()`` inside ``disable_kv_cache(model)``, or
+    ``torch.no_grad()`` for a sharded model that cannot run under inference mode on the
+    installed release (``cached_passes``' reason, warned once)."""
+    reason = compat.generation_fallback(model)
+    if reason is not None:
+        compat.warn_generation_fallback(reason)
+    with torch.inference_mode() if reason is None else torch.no_grad(), disable_kv_cache(model):
+        yield model
 
 
 @contextmanager

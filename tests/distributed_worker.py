@@ -219,16 +219,27 @@ def fsdp_scenario(rank: int, compiled: bool, by_hand: bool) -> dict[str, Any]:
 
 
 def fsdp_scoring_first(rank: int, by_hand: bool) -> dict[str, Any]:
-    """Shared-context scoring as the first pass of a freshly sharded model, then a grad pass
-    (it fails where scoring left FSDP2's unsharded parameters as inference tensors)."""
+    """attn's grad-free passes (the lm-eval adapter's uncached ones, shared-context scoring)
+    as the first passes of a freshly sharded model, then a grad pass (it fails where they
+    left FSDP2's unsharded parameters as inference tensors)."""
     import attn.distributed
 
     model, reference = build_model(), build_model()
     _fully_shard_by_hand(model) if by_hand else attn.distributed.shard_fsdp(model)
     context, continuations = PROMPTS[rank][1], [[3, 8], [40], [2, 2, 9]]
+    ids = torch.tensor([context])  # (1, C)
+    with attn.context.uncached_passes(model):  # the lm-eval adapter's full passes
+        full = model(ids)
     scores = attn.score_continuations(model, context, continuations)
-    model(torch.tensor([context])).float().logsumexp(-1).mean().backward()
-    return {"scores": scores, "ref_scores": attn.score_continuations(reference, context, continuations)}
+    model(ids).float().logsumexp(-1).mean().backward()
+    with torch.no_grad():
+        ref_full = reference(ids)
+    return {
+        "scores": scores,
+        "ref_scores": attn.score_continuations(reference, context, continuations),
+        "full": full.clone(),
+        "ref_full": ref_full,
+    }
 
 
 def tensor_parallel_scenario(rank: int, compiled: bool, config: attn.DecoderConfig = CONFIG) -> dict[str, Any]:

@@ -123,12 +123,11 @@ def test_fsdp_by_hand_ppo_cycles_equal_the_unsharded_model(ranks: list[dict[str,
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_scoring_first", "fsdp_by_hand_scoring_first"])
 @pytest.mark.parametrize("rank", RANKS)
-def test_fsdp_shared_context_scores_equal_the_unsharded_model(
-    ranks: list[dict[str, Any]], rank: int, name: str
-) -> None:
-    """attn.score_continuations as the first pass of a sharded model, then a grad pass (the
-    worker runs it: it failed with "Inplace update to inference tensor outside InferenceMode" while
-    scoring ran under inference mode on a model sharded by hand)."""
+def test_fsdp_grad_free_passes_equal_the_unsharded_model(ranks: list[dict[str, Any]], rank: int, name: str) -> None:
+    """attn.context.uncached_passes (the lm-eval adapter's) and attn.score_continuations as the
+    first passes of a sharded model, then a grad pass (the worker runs it: it failed with
+    "Inplace update to inference tensor outside InferenceMode" while scoring ran under
+    inference mode on a model sharded by hand)."""
     outcome = fsdp_outcome(ranks[rank], name)
     assert "error" not in outcome, outcome.get("traceback")
     torch.testing.assert_close(
@@ -136,6 +135,7 @@ def test_fsdp_shared_context_scores_equal_the_unsharded_model(
         torch.tensor([score.logprob for score in outcome["ref_scores"]]),
     )
     assert [s.greedy for s in outcome["scores"]] == [s.greedy for s in outcome["ref_scores"]]
+    torch.testing.assert_close(outcome["full"], outcome["ref_full"])
 
 
 @pytest.mark.slow

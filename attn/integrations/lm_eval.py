@@ -14,8 +14,9 @@ How each request type treats the KV-cache:
   out with ``shared_context=False``; a model with caches set up by the user is scored the
   other way). Scores equal the full passes within fp32 rounding (tests/test_scoring.py).
 - The other ``loglikelihood`` requests and ``loglikelihood_rolling`` run one uncached forward
-  per batch, under ``torch.inference_mode()`` (fast: no version counters) inside
-  ``attn.disable_kv_cache(model)``, since plain inference mode would use the cache: they
+  per batch, under ``torch.inference_mode()`` (fast: no version counters; ``torch.no_grad()``
+  for a sharded model that cannot take it) inside ``attn.disable_kv_cache(model)``, since
+  plain inference mode would use the cache: they
   never read or write it, whatever ran before (a generation task first, a cache the user set up).
   Left-padded batches use ``attn.padded_causal_mask`` and ``attn.padding_positions``.
 
@@ -50,7 +51,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 
 from attn.checkpoint import load_pretrained
-from attn.context import disable_kv_cache
+from attn.context import uncached_passes
 from attn.decoder import TransformerDecoder
 from attn.generation import generate
 from attn.masks import left_pad, padded_causal_mask, padding_positions
@@ -387,7 +388,7 @@ class AttnLM(TemplateLM):
 
     def _score_batch(self, rows: list[_Scored]) -> list[tuple[float, bool]]:
         tokens, present = left_pad([row.inputs for row in rows], self.eot_token_id, self._device)  # each (b, s)
-        with torch.inference_mode(), disable_kv_cache(self.model):
+        with uncached_passes(self.model):
             logits = self.model(
                 tokens, input_pos=padding_positions(present), mask=padded_causal_mask(present)
             )  # (b, s, v)
