@@ -171,8 +171,8 @@ def test_lm_eval_without_the_harness_is_a_clear_error(
     assert "lm-evaluation-harness is not installed; pip install 'attn[lm-eval]'" in err
 
 
+@pytest.mark.slow  # needs the lm-eval extra, as tests/test_lm_eval.py
 def test_lm_eval_help_is_the_harness_help_and_restores_argv(capsys: pytest.CaptureFixture) -> None:
-    pytest.importorskip("lm_eval")
     before = list(sys.argv)
     assert cli.main(["lm-eval", "run", "--help"]) == 0
     assert "--model_args" in capsys.readouterr().out

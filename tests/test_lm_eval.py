@@ -27,17 +27,18 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before lm_eval imports datasets / huggingface_hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-lm_eval = pytest.importorskip("lm_eval")
+import lm_eval
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
 
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+import attn
+from attn import cli
+from attn.checkpoint import save_pretrained
+from attn.compat import CachePolicy
+from attn.integrations.lm_eval import AttnLM, TokenizerFile
+from tests.conftest import assert_cache_unchanged, cache_state, tiny_model
 
-import attn  # noqa: E402
-from attn import cli  # noqa: E402
-from attn.checkpoint import save_pretrained  # noqa: E402
-from attn.compat import CachePolicy  # noqa: E402
-from attn.integrations.lm_eval import AttnLM, TokenizerFile  # noqa: E402
-from tests.conftest import assert_cache_unchanged, cache_state, tiny_model  # noqa: E402
+pytestmark = pytest.mark.slow  # and its install: pip install -e '.[test,lm-eval]'
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
