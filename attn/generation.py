@@ -63,6 +63,10 @@ class GenerationOutput:
         return self.padding_mask[:, self.prompt_length :]
 
 
+# generate's own caches have a multiple of this many slots (the attention reads them all, masked).
+CACHE_SLOTS_STEP = 64
+
+
 def _sample(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,10 +132,13 @@ def generate(
 ) -> GenerationOutput:
     """Generates up to ``max_new_tokens`` after each prompt, using the KV-cache.
 
-    If the model has no caches, a cache of exactly the needed size is set up for the call
-    and torn down after. If it has caches, they are reset and must fit the batch and the
-    length. A row stops after it produces any of ``stop_tokens``; the call ends when every
-    row has stopped.
+    If the model has no caches, a cache is set up for the call and torn down after: the
+    longest prompt plus ``max_new_tokens`` slots, rounded up to a multiple of
+    ``CACHE_SLOTS_STEP`` (at most the model's ``max_seq_len``), so that a compiled model
+    (``torch.compile`` with static shapes, ``attn.compile_for_decode``) does not compile again
+    for every new length; the slots past a row's tokens are masked. If it has caches, they
+    are reset and must fit the batch and the length. A row stops after it produces any of
+    ``stop_tokens``; the call ends when every row has stopped.
 
     With ``num_samples`` G > 1 each prompt is prefilled once and its cache rows are copied G
     times (``fork_caches``) before G continuations are drawn: the output has b x G rows,
@@ -199,8 +206,8 @@ def generate(
         model.reset_caches()
         if num_samples > 1:
             model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
-    if owns_cache:
-        model.setup_caches(b, total)
+    if owns_cache:  # rounded up, so that a compiled model compiles once for similar lengths
+        model.setup_caches(b, min(config.max_seq_len, -(-total // CACHE_SLOTS_STEP) * CACHE_SLOTS_STEP))
     try:
         steps = _decode(
             model,

@@ -284,6 +284,25 @@ def test_compiled_samples_compile_a_prefill_and_one_decode_graph() -> None:
     assert torch.equal(out.tokens, generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3).tokens)
 
 
+def test_compiled_generate_compiles_once_for_lengths_within_a_step() -> None:
+    """generate's own caches come in multiples of CACHE_SLOTS_STEP slots: a compiled model with
+    static shapes reuses its graphs for every length within one step (here 9 to 64 tokens)
+    and compiles once more past it, with the tokens of eager generation each time."""
+    from torch._dynamo.testing import CompileCounter
+
+    assert attn.generation.CACHE_SLOTS_STEP == 64
+    model = tiny_model(15, max_seq_len=200)
+    counter = CompileCounter()
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=False)
+    prompts = [[1, 2, 3], [4, 5]]
+    frames = []
+    for new_tokens in (6, 30, 61, 70):  # 3 + new: 9, 33, 64 (one step of slots), 73 (the next)
+        out = generate(compiled, prompts, max_new_tokens=new_tokens)
+        assert torch.equal(out.tokens, generate(model, prompts, max_new_tokens=new_tokens).tokens)
+        frames.append(counter.frame_count)
+    assert frames == [2, 2, 2, 4], frames  # prefill and decode, then both again for 128 slots
+
+
 @settings(deadline=None)
 @given(
     weights=st.lists(st.sampled_from([0.0, 0.0, 0.5, 1.0, 2.0, 8.0]), min_size=2, max_size=12).filter(any),
