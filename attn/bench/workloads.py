@@ -190,7 +190,8 @@ def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
         init_weights(model, spec.init_std, spec.seed)
         model = model.to(spec.dtype).eval()
         generator = torch.Generator().manual_seed(spec.seed)
-        decoder = compile_for_decode(model) if spec.compile else model
+        rows = spec.prompts * spec.samples  # the B x G rows both grpo sides decode: all rewritten
+        decoder = compile_for_decode(model, max_rows=rows) if spec.compile else model
         return [_grpo(decoder, spec, generator), _scoring(model, spec, generator)]
     finally:
         torch.set_num_threads(before)
