@@ -70,6 +70,7 @@ def result_json(bench_run: tuple[dict, str]) -> dict:
     return bench_run[0]
 
 
+@pytest.mark.slow  # a full command-line bench run, compile included (10 s)
 def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(bench_run: tuple[dict, str]) -> None:
     data, report = bench_run
     speeds = {r["contender"]: r["decode_tokens_per_s"]["median"] for r in data["rows"] if r["decode_tokens_per_s"]}
@@ -104,6 +105,7 @@ def test_bad_targets_file(tmp_path: Path, content: str, message: str) -> None:
         bench.Targets.from_file(path)
 
 
+@pytest.mark.slow  # a full command-line bench run, compile included (10 s)
 def test_json_has_every_field(result_json: dict) -> None:
     assert {"machine", "cells", "rows", "notes"} <= set(result_json)
     assert {"torch", "cpu", "load_average_before", "load_average_after", "memory_measurement", "huge_pages"} <= set(
@@ -185,6 +187,7 @@ def test_bf16_logits_check_passes_bf16_and_fails_a_wrong_answer() -> None:
     assert not check_logits(ctx.reference_model, ctx.prompts, run.tokens, None).ok
 
 
+@pytest.mark.slow  # a fresh process
 def test_memory_probe_runs_in_a_fresh_process() -> None:
     from attn.bench.run import _run_probe
 

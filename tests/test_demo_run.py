@@ -36,6 +36,7 @@ def test_run_demo_reports_every_pass(capsys: pytest.CaptureFixture) -> None:
     json.dumps(result.to_dict())  # JSON-serialisable as it is
 
 
+@pytest.mark.slow  # a whole demo run (3-4 s)
 def test_demo_fails_loudly_when_generation_skips_the_cache(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
@@ -58,6 +59,7 @@ def test_demo_fails_loudly_when_generation_skips_the_cache(
     assert result["ok"] is False and result["violations"]
 
 
+@pytest.mark.slow  # a whole demo run (3-4 s)
 def test_demo_fails_loudly_when_scoring_writes_the_cache(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -49,6 +49,7 @@ def test_the_core_never_imports_the_face(module: str) -> None:
     assert not face, f"{module} imports {face}: the face (command line, demo, bench, adapters, tokenizer) sits on top"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_attn_loads_no_face() -> None:
     """Not the CPU fast path either: ``attn.compile_for_decode`` loads it when first asked for."""
     code = "import sys, attn; print(' '.join(m for m in sys.modules if m.startswith('attn.')))"
@@ -58,6 +59,7 @@ def test_import_attn_loads_no_face() -> None:
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "True\n"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_tokenizer_loads_its_packages_only_when_imported() -> None:
     """``import attn`` loads neither tokenizers nor jinja2; ``attn.tokenizer`` loads them, and
     not transformers."""
