@@ -528,21 +528,22 @@ def _get_bool(hf_config: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def _config_dtype(hf_config: Mapping[str, Any]) -> torch.dtype | None:
     name = hf_config.get("dtype", hf_config.get("torch_dtype"))
+    return _dtype_or_none(name, UnsupportedConfigError, "config.json: {error}, or pass dtype= to load_pretrained")
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    return _dtype_or_none(dtype, ValueError, "{error}, or None (the checkpoint's own)")
+
+
+def _dtype_or_none(name: torch.dtype | str | None, error_type: type[Exception], message: str) -> torch.dtype | None:
+    """``name`` as a dtype (None stays None); an unknown name raises ``error_type`` with
+    ``message``, whose ``{error}`` is what ``dtype_from_name`` said."""
     if name is None:
         return None
     try:
         return dtype_from_name(name)
     except ValueError as error:
-        raise UnsupportedConfigError(f"config.json: {error}, or pass dtype= to load_pretrained") from None
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    try:
-        return dtype_from_name(dtype)
-    except ValueError as error:
-        raise ValueError(f"{error}, or None (the checkpoint's own)") from None
+        raise error_type(message.format(error=error)) from None
 
 
 # ---------------------------------------------------------------------------- tensors

@@ -216,50 +216,33 @@ TENSOR_PARALLEL_INFERENCE_MODE_REASON = (
     "there with 'Operator aten.matmul.default does not have a sharding strategy registered'"
 )
 
+UNTRACED_BEFORE_2_6_REASON = (
+    "dynamo cannot trace Tensor.is_inference() before torch 2.6 "
+    "(fullgraph fails: 'torch.* op returned non-Tensor bool')"
+)
+UNGUARDED_2_6_REASON = (
+    "dynamo traces Tensor.is_inference() on torch 2.6 and 2.7 but guards only on the "
+    "input's dispatch keys, which look the same for an inference tensor outside "
+    "inference mode and a normal tensor inside it, so a graph compiled for one kind of "
+    "pass is reused for the other (the probe's stale-graph sequences)"
+)
+BREAKS_FROM_2_8_REASON = (
+    "from torch 2.8 dynamo turns inference mode off while compiling and graph-breaks "
+    "on Tensor.is_inference() by design (pytorch/pytorch#149321)"
+)
+
 # The one table of what each torch release does with the inference-mode test under compile,
 # and with sharded models under inference mode. Every row is proven on a leg of the version
 # matrix (compat/matrix.toml); a test checks that each leg's expectations resolve through this
 # table, and the distributed tests run probe_distributed_inference_mode against it.
+# fmt: off
 RELEASES: tuple[ReleaseSupport, ...] = (
-    ReleaseSupport(
-        first=(0, 0, 0),
-        last=(2, 6, 0),
-        traces_is_inference=False,
-        guards_is_inference=False,
-        reason=(
-            "dynamo cannot trace Tensor.is_inference() before torch 2.6 "
-            "(fullgraph fails: 'torch.* op returned non-Tensor bool')"
-        ),
-        fsdp_inference_mode=False,
-        tensor_parallel_inference_mode=False,
-    ),
-    ReleaseSupport(
-        first=(2, 6, 0),
-        last=(2, 8, 0),
-        traces_is_inference=True,
-        guards_is_inference=False,
-        reason=(
-            "dynamo traces Tensor.is_inference() on torch 2.6 and 2.7 but guards only on the "
-            "input's dispatch keys, which look the same for an inference tensor outside "
-            "inference mode and a normal tensor inside it, so a graph compiled for one kind of "
-            "pass is reused for the other (the probe's stale-graph sequences)"
-        ),
-        fsdp_inference_mode=False,
-        tensor_parallel_inference_mode=True,
-    ),
-    ReleaseSupport(
-        first=(2, 8, 0),
-        last=None,
-        traces_is_inference=False,
-        guards_is_inference=False,
-        reason=(
-            "from torch 2.8 dynamo turns inference mode off while compiling and graph-breaks "
-            "on Tensor.is_inference() by design (pytorch/pytorch#149321)"
-        ),
-        fsdp_inference_mode=False,
-        tensor_parallel_inference_mode=True,
-    ),
+    #              first      last       traces guards reason                      fsdp   tensor parallel
+    ReleaseSupport((0, 0, 0), (2, 6, 0), False, False, UNTRACED_BEFORE_2_6_REASON, False, False),
+    ReleaseSupport((2, 6, 0), (2, 8, 0), True,  False, UNGUARDED_2_6_REASON,       False, True),
+    ReleaseSupport((2, 8, 0), None,      False, False, BREAKS_FROM_2_8_REASON,     False, True),
 )
+# fmt: on
 DEFAULT_POLICY = CachePolicy.INFERENCE
 
 

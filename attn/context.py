@@ -15,6 +15,7 @@ from torch import nn
 
 from attn import compat
 from attn.attention import MultiHeadAttention
+from attn.swap import swapped_attribute
 
 __all__ = [
     "cached_inference",
@@ -54,14 +55,8 @@ def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
             "kv_cache_mode(model, True) needs caches: call model.setup_caches(batch_size, "
             "max_seq_len) first, or use attn.local_kv_cache(model, ...)"
         )
-    previous = [layer.cache_mode for layer in layers]
-    for layer in layers:
-        layer.cache_mode = mode
-    try:
+    with swapped_attribute(layers, "cache_mode", mode):
         yield model
-    finally:
-        for layer, mode_before in zip(layers, previous, strict=True):
-            layer.cache_mode = mode_before
 
 
 def disable_kv_cache(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:

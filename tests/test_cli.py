@@ -21,15 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_attn(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != attn.compat.ENV_VAR}
-    return subprocess.run(
-        [sys.executable, "-m", "attn", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    command = [sys.executable, "-m", "attn", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.mark.slow

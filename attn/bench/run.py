@@ -152,6 +152,12 @@ class BenchResult:
 # -- the memory-bound limit ------------------------------------------------------------
 
 
+def _layer_parameters(config: DecoderConfig) -> int:
+    e, d = config.embed_dim, config.head_dim
+    attention = e * config.num_heads * d * 2 + e * config.num_kv_heads * d * 2  # q, o; k, v
+    return attention + 3 * e * config.hidden_dim + 2 * e  # the MLP's three matrices, two norms
+
+
 def bytes_per_step(config: DecoderConfig, dtype: torch.dtype, batch_size: int, context: float) -> tuple[int, int]:
     """Bytes a decode step must read at least: ``(weights, kv_cache)``.
 
@@ -160,48 +166,35 @@ def bytes_per_step(config: DecoderConfig, dtype: torch.dtype, batch_size: int, c
     of ``context`` tokens per sequence and layer.
     """
     size = torch.finfo(dtype).bits // 8
-    e, d = config.embed_dim, config.head_dim
-    attention = e * config.num_heads * d * 2 + e * config.num_kv_heads * d * 2  # q, o; k, v
-    mlp = 3 * e * config.hidden_dim
-    per_layer = attention + mlp + 2 * e
-    weights = config.num_layers * per_layer + e + config.vocab_size * e + batch_size * e
-    kv = 2 * config.num_layers * batch_size * config.num_kv_heads * d * context
+    e = config.embed_dim
+    weights = config.num_layers * _layer_parameters(config) + e + config.vocab_size * e + batch_size * e
+    kv = 2 * config.num_layers * batch_size * config.num_kv_heads * config.head_dim * context
     return int(weights * size), int(kv * size)
 
 
 def _param_mb(config: DecoderConfig, dtype: torch.dtype) -> float:
-    size = torch.finfo(dtype).bits // 8
     e = config.embed_dim
-    attention = e * config.num_heads * config.head_dim * 2 + e * config.num_kv_heads * config.head_dim * 2
-    per_layer = attention + 3 * e * config.hidden_dim + 2 * e
     head = 0 if config.tie_embeddings else config.vocab_size * e
-    return (config.num_layers * per_layer + e + config.vocab_size * e + head) * size / 2**20
+    count = config.num_layers * _layer_parameters(config) + e + config.vocab_size * e + head
+    return count * (torch.finfo(dtype).bits // 8) / 2**20
 
 
 def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
     bandwidth = statistics.median(median for median, _ in bandwidths)
     context = cell.prompt_len + cell.new_tokens / 2  # mean tokens attended by a decode step
     weights, kv = bytes_per_step(cell.config, cell.dtype, cell.batch_size, context)
-    size = torch.finfo(cell.dtype).bits // 8
-    c = cell.config
-    cache_mb = 2 * c.num_layers * cell.batch_size * c.num_kv_heads * c.head_dim * (cell.prompt_len + cell.new_tokens)
+    _, cache_bytes = bytes_per_step(cell.config, cell.dtype, cell.batch_size, cell.prompt_len + cell.new_tokens)
     return CellInfo(
         label=cell.label,
-        config_name=cell.config_name,
-        config={k: getattr(c, k) for k in c.__dataclass_fields__},
-        dtype=cell.dtype_name,
-        batch_size=cell.batch_size,
-        threads=cell.threads,
-        prompt_len=cell.prompt_len,
-        new_tokens=cell.new_tokens,
+        **_cell_to_dict(cell),
         read_bandwidth_gb_s=bandwidth,
         read_bandwidth_samples=[median for median, _ in bandwidths],
         read_bandwidth_best_gb_s=max(best for _, best in bandwidths),
         weight_bytes_per_step=weights,
         kv_bytes_per_step=kv,
         limit_tokens_per_s=cell.batch_size * bandwidth * 1e9 / (weights + kv),
-        weights_mb=_param_mb(c, cell.dtype),
-        cache_mb=cache_mb * size / 2**20,
+        weights_mb=_param_mb(cell.config, cell.dtype),
+        cache_mb=cache_bytes / 2**20,
     )
 
 
@@ -209,28 +202,14 @@ def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
 
 
 def _cell_to_dict(cell: Cell) -> dict[str, Any]:
-    c = cell.config
-    return {
-        "config_name": cell.config_name,
-        "config": {k: getattr(c, k) for k in c.__dataclass_fields__},
-        "dtype": cell.dtype_name,
-        "batch_size": cell.batch_size,
-        "threads": cell.threads,
-        "prompt_len": cell.prompt_len,
-        "new_tokens": cell.new_tokens,
-    }
+    """``cell``'s fields, JSON-ready: the config as a dict, the dtype by name."""
+    fields = {name: getattr(cell, name) for name in cell.__dataclass_fields__}
+    config = {name: getattr(cell.config, name) for name in cell.config.__dataclass_fields__}
+    return {**fields, "config": config, "dtype": cell.dtype_name}
 
 
 def cell_from_dict(data: dict[str, Any]) -> Cell:
-    return Cell(
-        config_name=data["config_name"],
-        config=DecoderConfig(**data["config"]),
-        dtype=dtype_from_name(data["dtype"]),
-        batch_size=data["batch_size"],
-        threads=data["threads"],
-        prompt_len=data["prompt_len"],
-        new_tokens=data["new_tokens"],
-    )
+    return Cell(**{**data, "config": DecoderConfig(**data["config"]), "dtype": dtype_from_name(data["dtype"])})
 
 
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,27 @@ from attn.fast_decode import compile_for_decode
 from attn.generation import generate
 from attn.scoring import score_continuations
 
-__all__ = ["WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
+__all__ = ["GrpoShape", "ScoringShape", "WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
+
+
+@dataclass(frozen=True)
+class GrpoShape:
+    """B prompts x G samples: prompts of P tokens, N new tokens each."""
+
+    prompts: int = 2
+    samples: int = 8
+    prompt_len: int = 256
+    new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class ScoringShape:
+    """N questions of K continuations: contexts of C tokens, continuations of m."""
+
+    questions: int = 8
+    choices: int = 4
+    context_len: int = 256
+    continuation_len: int = 4
 
 
 @dataclass(frozen=True)
@@ -41,8 +61,7 @@ class WorkloadSpec:
         config: the model (random weights, ``init_std``).
         dtype: parameter dtype.
         threads: torch intra-op threads.
-        prompts, samples, prompt_len, new_tokens: the grpo workload (B, G, P, N).
-        questions, choices, context_len, continuation_len: the scoring workload (N, K, C, m).
+        grpo, scoring: the two workloads' shapes.
         repeats: timed runs of each side.
         compile: both grpo sides decode with ``attn.compile_for_decode`` (one compiled step,
             compiled in the warm-up run, not in the timed ones).
@@ -51,14 +70,8 @@ class WorkloadSpec:
     config: DecoderConfig
     dtype: torch.dtype = torch.float32
     threads: int = 1
-    prompts: int = 2
-    samples: int = 8
-    prompt_len: int = 256
-    new_tokens: int = 64
-    questions: int = 8
-    choices: int = 4
-    context_len: int = 256
-    continuation_len: int = 4
+    grpo: GrpoShape = GrpoShape()
+    scoring: ScoringShape = ScoringShape()
     repeats: int = 3
     init_std: float = 0.05
     seed: int = 0
@@ -99,27 +112,28 @@ def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats
 
 
 def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
-    B, G = spec.prompts, spec.samples
-    prompts = torch.randint(1, spec.config.vocab_size, (B, spec.prompt_len), generator=generator)
+    shape = spec.grpo
+    B, G = shape.prompts, shape.samples
+    prompts = torch.randint(1, spec.config.vocab_size, (B, shape.prompt_len), generator=generator)
     expanded = prompts.repeat_interleave(G, 0)  # (B * G, P)
 
     def sample(batch: torch.Tensor, num_samples: int) -> Callable[[], object]:
         return lambda: generate(
             model,
             batch,
-            max_new_tokens=spec.new_tokens,
+            max_new_tokens=shape.new_tokens,
             temperature=1.0,
             num_samples=num_samples,
             generator=torch.Generator().manual_seed(spec.seed),
         )
 
     ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
-    forked = generate(model, prompts, max_new_tokens=spec.new_tokens, num_samples=G)
-    plain = generate(model, expanded, max_new_tokens=spec.new_tokens)
+    forked = generate(model, prompts, max_new_tokens=shape.new_tokens, num_samples=G)
+    plain = generate(model, expanded, max_new_tokens=shape.new_tokens)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
     return WorkloadResult(
         name="grpo",
-        shape=f"B={B} x G={G}, prompt {spec.prompt_len}, {spec.new_tokens} new"
+        shape=f"B={B} x G={G}, prompt {shape.prompt_len}, {shape.new_tokens} new"
         + (", decode compiled (compile_for_decode)" if spec.compile else ", eager"),
         ours="generate(num_samples=G): prefill B, fork",
         theirs="generate on B x G repeated prompts",
@@ -146,13 +160,13 @@ def _per_question_full_passes(
 
 
 def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
-    vocab = spec.config.vocab_size
+    vocab, shape = spec.config.vocab_size, spec.scoring
     questions = [
         (
-            torch.randint(1, vocab, (spec.context_len,), generator=generator).tolist(),
-            torch.randint(1, vocab, (spec.choices, spec.continuation_len), generator=generator).tolist(),
+            torch.randint(1, vocab, (shape.context_len,), generator=generator).tolist(),
+            torch.randint(1, vocab, (shape.choices, shape.continuation_len), generator=generator).tolist(),
         )
-        for _ in range(spec.questions)
+        for _ in range(shape.questions)
     ]
 
     def shared() -> list[list[float]]:
@@ -168,8 +182,8 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     same_choice = bool((got.argmax(-1) == expected.argmax(-1)).all())
     return WorkloadResult(
         name="scoring",
-        shape=f"{spec.questions} questions x {spec.choices} choices, context {spec.context_len}, "
-        f"continuation {spec.continuation_len}",
+        shape=f"{shape.questions} questions x {shape.choices} choices, context {shape.context_len}, "
+        f"continuation {shape.continuation_len}",
         ours="score_continuations: context once",
         theirs="K context+continuation rows, one pass",
         ours_s=ours,
@@ -184,13 +198,14 @@ def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
     before = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
-        max_len = max(spec.prompt_len + spec.new_tokens, spec.context_len + spec.continuation_len)
+        grpo, scoring = spec.grpo, spec.scoring
+        max_len = max(grpo.prompt_len + grpo.new_tokens, scoring.context_len + scoring.continuation_len)
         config = spec.config if spec.config.max_seq_len >= max_len else replace(spec.config, max_seq_len=max_len)
         model = TransformerDecoder(config)
         init_weights(model, spec.init_std, spec.seed)
         model = model.to(spec.dtype).eval()
         generator = torch.Generator().manual_seed(spec.seed)
-        rows = spec.prompts * spec.samples  # the B x G rows both grpo sides decode: all rewritten
+        rows = grpo.prompts * grpo.samples  # the B x G rows both grpo sides decode: all rewritten
         decoder = compile_for_decode(model, max_rows=rows) if spec.compile else model
         return [_grpo(decoder, spec, generator), _scoring(model, spec, generator)]
     finally:

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from attn.swap import swapped_attribute
+
 __all__ = ["TARGETS", "LoRALinear", "adapters_enabled", "add_lora", "lora_parameters"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,11 +116,5 @@ def adapters_enabled(model: nn.Module, enabled: bool) -> Iterator[nn.Module]:
     adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
     if not adapters:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters; call add_lora(model) first")
-    previous = [adapter.enabled for adapter in adapters]
-    for adapter in adapters:
-        adapter.enabled = enabled
-    try:
+    with swapped_attribute(adapters, "enabled", enabled):
         yield model
-    finally:
-        for adapter, before in zip(adapters, previous, strict=True):
-            adapter.enabled = before

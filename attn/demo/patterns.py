@@ -33,7 +33,7 @@ from attn.compat import CachePolicy
 from attn.decoder import TransformerDecoder
 from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import IGNORE_INDEX, AdditionTask, Problem
-from attn.demo.watch import PassRecord, base_model, watch
+from attn.demo.watch import PassRecord, as_json, base_model, watch
 from attn.generation import GenerationOutput, generate
 from attn.masks import padded_causal_mask
 
@@ -69,14 +69,7 @@ class TrainResult:
     records: list[PassRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "steps": self.steps,
-            "batch_size": self.batch_size,
-            "first_loss": self.first_loss,
-            "last_loss": self.last_loss,
-            "seconds": round(self.seconds, 3),
-            "passes": [r.to_dict() for r in self.records],
-        }
+        return as_json(self)
 
 
 def train(
@@ -214,18 +207,15 @@ class EvalResult:
         return self.scores_max_abs_diff <= LOGPROB_TOLERANCE
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "generation_accuracy": self.generation_accuracy,
-            "loglikelihood_accuracy": self.loglikelihood_accuracy,
-            "generation_again_accuracy": self.generation_again_accuracy,
-            "same_completions": self.same_completions,
-            "inference_mode_loop_matches_generate": self.loop_matches_generate,
-            "scores_max_abs_diff_vs_never_cached_copy": self.scores_max_abs_diff,
-            "scores_bit_identical_to_never_cached_copy": self.scores_bit_identical,
-            "scores_match": self.scores_match,
-            "examples": self.examples,
-            "passes": [r.to_dict() for r in self.records],
-        }
+        return as_json(
+            self,
+            renamed={
+                "loop_matches_generate": "inference_mode_loop_matches_generate",
+                "scores_max_abs_diff": "scores_max_abs_diff_vs_never_cached_copy",
+                "scores_bit_identical": "scores_bit_identical_to_never_cached_copy",
+            },
+            derived=("scores_match",),
+        )
 
 
 def inference_mode_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -335,17 +325,14 @@ class PPOResult:
         return self.logprob_max_abs_diff <= LOGPROB_TOLERANCE
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "steps": self.steps,
-            "mean_rewards": self.mean_rewards,
-            "losses": self.losses,
-            "kl": self.kl,
-            "generation_vs_grad_pass_logprob_max_abs_diff": self.logprob_max_abs_diff,
-            "logprobs_match": self.logprobs_match,
-            "generated_tokens_are_inference_tensors": self.tokens_are_inference,
-            "trainable_parameters": self.trainable_parameters,
-            "passes": [r.to_dict() for r in self.records],
-        }
+        return as_json(
+            self,
+            renamed={
+                "logprob_max_abs_diff": "generation_vs_grad_pass_logprob_max_abs_diff",
+                "tokens_are_inference": "generated_tokens_are_inference_tensors",
+            },
+            derived=("logprobs_match",),
+        )
 
 
 def _sequence_logprobs(model: nn.Module, out: GenerationOutput) -> torch.Tensor:

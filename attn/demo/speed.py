@@ -18,7 +18,7 @@ from torch import nn
 
 from attn.bench.baseline import greedy_without_cache
 from attn.demo.task import AdditionTask, Problem
-from attn.demo.watch import PassRecord, base_model, watch
+from attn.demo.watch import PassRecord, as_json, base_model, watch
 from attn.generation import generate
 
 __all__ = ["SpeedResult", "measure_speed"]
@@ -49,18 +49,11 @@ class SpeedResult:
         return self.uncached_seconds / self.cached_seconds
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "batch_size": self.batch_size,
-            "new_tokens": self.new_tokens,
-            "cached_tokens_per_s": round(self.cached_tokens_per_s, 1),
-            "uncached_tokens_per_s": round(self.uncached_tokens_per_s, 1),
-            "speedup": round(self.speedup, 2),
-            "cached_seconds": round(self.cached_seconds, 4),
-            "uncached_seconds": round(self.uncached_seconds, 4),
-            "same_tokens": self.same_tokens,
-            "timed_runs_each": self.repeats,
-            "passes": [r.to_dict() for r in self.records],
-        }
+        return as_json(
+            self,
+            renamed={"repeats": "timed_runs_each"},
+            derived=("cached_tokens_per_s", "uncached_tokens_per_s", "speedup"),
+        )
 
 
 def measure_speed(

@@ -8,16 +8,16 @@ history (which must never happen).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
 from attn.decoder import TransformerDecoder
 
-__all__ = ["PassRecord", "base_model", "fill_positions", "watch"]
+__all__ = ["PassRecord", "as_json", "base_model", "fill_positions", "watch"]
 
 
 def base_model(model: nn.Module) -> TransformerDecoder:
@@ -31,6 +31,24 @@ def base_model(model: nn.Module) -> TransformerDecoder:
 def fill_positions(model: nn.Module) -> list[int]:
     """Tokens held by each layer's cache: ``[c.size for c in model.kv_caches()]``."""
     return [cache.size for cache in base_model(model).kv_caches()]
+
+
+def as_json(
+    result: object, *, renamed: Mapping[str, str] | None = None, derived: Sequence[str] = ()
+) -> dict[str, object]:
+    """A demo result (a dataclass) as JSON-ready values: every field under its own name or
+    ``renamed``'s, then every property named in ``derived``. Its ``records`` become
+    ``"passes"`` (a dict each), tuples become lists."""
+    renamed = {"records": "passes", **(renamed or {})}
+    names = [field.name for field in fields(result)] + list(derived)  # type: ignore[arg-type]
+    return {renamed.get(name, name): _json_value(getattr(result, name)) for name in names}
+
+
+def _json_value(value: object) -> object:
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    to_dict = getattr(value, "to_dict", None)
+    return to_dict() if callable(to_dict) else value
 
 
 @dataclass(frozen=True)
@@ -90,18 +108,7 @@ class PassRecord:
         return f"{where}: should have left the cache untouched, but {fills}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "pattern": self.pattern,
-            "kind": self.kind,
-            "count": self.count,
-            "expect_cache": self.expect_cache,
-            "used_cache": self.used_cache,
-            "fill_before": list(self.fill_before),
-            "fill_after": list(self.fill_after),
-            "buffers_changed": self.buffers_changed,
-            "autograd_history": self.autograd_history,
-            "ok": self.ok,
-        }
+        return as_json(self, derived=("used_cache", "ok"))
 
 
 @contextmanager
