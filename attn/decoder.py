@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attn import compat
 from attn.attention import MultiHeadAttention, default_pos_and_mask
 from attn.kv_cache import KVCache
 from attn.norm import RMSNorm
@@ -128,6 +129,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.mlp = FeedForward(config.embed_dim, config.hidden_dim)
 
+    @compat.compile_region  # attn.compile_for_decode compiles one layer for all of them
     def forward(
         self, x: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor | None, use_cache: bool
     ) -> torch.Tensor:

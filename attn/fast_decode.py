@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attn import compat
+
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
 
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
@@ -176,14 +178,19 @@ class DecodeCompileStats:
     Attributes:
         graphs: graphs compiled so far (1 after the first decode step; more means a
             recompile: a new batch size, cache length, dtype or cache policy).
-        linears_rewritten: linear layers turned into row-wise reductions, over all graphs.
+        regions: subgraphs compiled once and called many times, over all graphs: 1 a graph
+            where the release compiles one decoder layer for every layer
+            (``attn.compat.compile_regions_supported()``), 0 where each layer is compiled.
+        linears_rewritten: linear calls turned into row-wise reductions, over all graphs and
+            their regions (a layer's count once when its region serves every layer).
         attention_rewritten: attention calls turned into reductions (``decode_attention``),
-            over all graphs.
+            counted like ``linears_rewritten``.
         compile_seconds: wall time spent in inductor, over all graphs.
         vector_bits: SIMD width the last graph was compiled with (``None``: inductor's choice).
     """
 
     graphs: int = 0
+    regions: int = 0
     linears_rewritten: int = 0
     attention_rewritten: int = 0
     compile_seconds: float = 0.0
@@ -279,10 +286,13 @@ class DecodeCompiled(nn.Module):
         start = time.perf_counter()
         self.stats.graphs += 1
         rewritten = []
+        graphs = [module for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
+        self.stats.regions += len(graphs) - 1  # a decoder layer's region: one subgraph for every layer
         if self.rewrite:
-            rewritten = _rewrite_small_linears(gm, self.max_rows)
+            for graph in graphs:
+                rewritten += _rewrite_small_linears(graph, self.max_rows)
+                self.stats.attention_rewritten += _rewrite_decode_attention(graph, self.max_rows)
             self.stats.linears_rewritten += len(rewritten)
-            self.stats.attention_rewritten += _rewrite_decode_attention(gm, self.max_rows)
         bits = self.stats.vector_bits = _vector_bits(rewritten, self.vector_bits)
         with inductor_config.patch({} if bits is None else {"cpp.simdlen": bits}):
             compiled = compile_fx(gm, example_inputs)
@@ -305,7 +315,8 @@ class DecodeCompiled(nn.Module):
         if use_cache and not checked:
             self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
-        return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
+        with compat.compile_regions():  # one decoder layer compiled for all (where the release can)
+            return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
 
 
 def compile_for_decode(

@@ -55,6 +55,7 @@ class Leg:
 class Settings:
     home: str = "~/.cache/attn-matrix"
     min_free_gb: float = 15.0
+    jobs: int = 1
     probe_backends: tuple[str, ...] = ("eager", "aot_eager")
     sequence_backends: tuple[str, ...] = ("eager", "aot_eager")
     core_tests: tuple[str, ...] = field(default_factory=tuple)
@@ -101,6 +102,7 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
     settings = Settings(
         home=raw_settings.get("home", Settings.home),
         min_free_gb=float(raw_settings.get("min_free_gb", Settings.min_free_gb)),
+        jobs=int(raw_settings.get("jobs", Settings.jobs)),
         probe_backends=tuple(raw_settings.get("probe_backends", Settings.probe_backends)),
         sequence_backends=tuple(raw_settings.get("sequence_backends", Settings.sequence_backends)),
         core_tests=tuple(raw_settings.get("core_tests", ())),

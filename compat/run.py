@@ -8,6 +8,7 @@ Usage, from the repository root, with a python that has nox (``pip install -e '.
     .venv/bin/python compat/run.py --list          # the legs, what each must show, where its environment is
     .venv/bin/python compat/run.py --clean [LEG..] # remove leg environments (all when none named)
     .venv/bin/python compat/run.py --rebuild LEG   # recreate the leg's environment, then run it
+    .venv/bin/python compat/run.py --jobs 1        # one leg at a time (default: matrix.toml's jobs)
     .venv/bin/python compat/run.py --policy-table  # the README's policy table
 
 Exit status: 0 when every leg that ran passed, 1 otherwise. A nightly leg that did not run
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +35,7 @@ NOXFILE = Path(__file__).resolve().with_name("noxfile.py")
 STATUS = {"success": "passed", "skipped": "NOT RUN"}  # nox's result -> the table's; anything else FAILED
 
 
-def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: bool) -> int:
+def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: bool, jobs: int) -> int:
     if importlib.util.find_spec("nox") is None:
         print(
             f"the matrix runs on nox, which {sys.executable} lacks: install it with "
@@ -41,22 +43,18 @@ def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: boo
         )
         return 2
     results = data.settings.home_path / "results"
-    report = results / "nox-report.json"
+    results.mkdir(parents=True, exist_ok=True)
     for leg in legs:
         (results / f"{leg.name}.json").unlink(missing_ok=True)
-    report.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "nox", "-f", str(NOXFILE), "--report", str(report)]
-    command += ["-s", *(leg.session for leg in legs)]
-    if rebuild:
-        command.append("--reuse-venv=no")
+    groups = split_legs(legs, jobs)
     print(
-        f"matrix: {len(legs)} leg(s): {', '.join(leg.name for leg in legs)}; environments in {data.settings.home_path}"
+        f"matrix: {len(legs)} leg(s) in {len(groups)} nox process(es) at a time: "
+        + "; ".join(", ".join(leg.name for leg in group) for group in groups)
+        + f"; environments in {data.settings.home_path}"
     )
-    print("$ " + " ".join(command), flush=True)
     start = time.monotonic()
-    subprocess.run(command, stdin=subprocess.DEVNULL, check=False)
+    sessions = run_groups(groups, results, rebuild)
     minutes = (time.monotonic() - start) / 60
-    sessions = json.loads(report.read_text())["sessions"] if report.exists() else []
     outcome = {entry["args"]["name"]: entry for entry in sessions}
     rows = []
     for leg in legs:
@@ -74,6 +72,56 @@ def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: boo
     print(f"matrix total: {minutes:.1f} min")
     print(f"legs: {counts['passed']} passed, {counts['FAILED']} failed, {counts['NOT RUN']} skipped")
     return 1 if counts["FAILED"] else 0
+
+
+def leg_weight(leg: matrix_data.Leg) -> float:
+    """A leg's share of the matrix's time, by its tests (measured: a core leg 4-5 min, a list
+    of a few files 1-2; a leg whose index is not given does not run)."""
+    if leg.index_env and not os.environ.get(leg.index_env):
+        return 0.0
+    return {"all": 6.0, "core": 5.0}.get(leg.tests, 1.5) if isinstance(leg.tests, str) else 1.5
+
+
+def split_legs(legs: list[matrix_data.Leg], jobs: int) -> list[list[matrix_data.Leg]]:
+    """``legs`` in at most ``jobs`` groups of about equal time (heaviest first, each to the
+    lightest group), each group in the matrix's order."""
+    groups: list[list[matrix_data.Leg]] = [[] for _ in range(max(1, min(jobs, len(legs))))]
+    for leg in sorted(legs, key=leg_weight, reverse=True):
+        min(groups, key=lambda group: sum(map(leg_weight, group))).append(leg)
+    return [sorted(group, key=legs.index) for group in groups if group]
+
+
+def run_groups(groups: list[list[matrix_data.Leg]], results: Path, rebuild: bool) -> list[dict]:
+    """One nox process per group, all at once; each writes a log, shown whole as it ends.
+
+    With more than one process, each gets an equal share of the cores for torch's threads
+    (``OMP_NUM_THREADS``), so two legs do not fight over the same two cores.
+    """
+    env = dict(os.environ)
+    if len(groups) > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(groups)))
+    running = []
+    for index, group in enumerate(groups):
+        report, log = results / f"nox-report-{index}.json", results / f"nox-{index}.log"
+        report.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "nox", "-f", str(NOXFILE), "--report", str(report)]
+        command += ["-s", *(leg.session for leg in group)] + (["--reuse-venv=no"] if rebuild else [])
+        print("$ " + " ".join(command) + f"  > {log}", flush=True)
+        handle = open(log, "w")  # noqa: SIM115 - closed below, when the process has ended
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        running.append((process, handle, report, log))
+    sessions = []
+    while running:
+        for item in list(running):
+            process, handle, report, log = item
+            if process.poll() is None:
+                continue
+            running.remove(item)
+            handle.close()
+            print(f"\n{'-' * 30} {log.name} (exit {process.returncode}) {'-' * 30}\n{log.read_text()}", flush=True)
+            sessions += json.loads(report.read_text())["sessions"] if report.exists() else []
+        time.sleep(1)
+    return sessions
 
 
 def print_table(rows: list[tuple]) -> None:
@@ -137,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list-json", action="store_true", help="print the leg names as a JSON list and exit")
     parser.add_argument("--clean", action="store_true", help="remove the legs' environments (all when none named)")
     parser.add_argument("--rebuild", action="store_true", help="recreate each leg's environment before running it")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="legs run at once, one nox process each (default: matrix.toml's jobs)"
+    )
     parser.add_argument("--policy-table", action="store_true", help="print the README's policy table and exit")
     args = parser.parse_args(argv)
 
@@ -158,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clean:
         clean(data, legs)
         return 0
-    return run_legs(data, legs, args.rebuild)
+    return run_legs(data, legs, args.rebuild, args.jobs or data.settings.jobs)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ lists the matrix's legs, and the README's policy table is the one the two render
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from attn import compat
 from attn.compat import RELEASES
@@ -103,3 +106,31 @@ def test_readme_policy_table_matches_matrix() -> None:
         "README.md's policy table differs from attn.compat.RELEASES and compat/matrix.toml's legs; replace it "
         "with the output of `.venv/bin/python compat/run.py --policy-table`"
     )
+
+
+@functools.cache
+def _load_runner_module():
+    """compat/run.py, imported by path (it puts compat/ on sys.path for its own imports)."""
+    spec = importlib.util.spec_from_file_location("attn_version_matrix_runner", REPO / "compat" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@given(
+    picks=st.lists(st.sampled_from(MATRIX.legs), unique_by=lambda leg: leg.name, min_size=1),
+    jobs=st.integers(1, 8),
+)
+def test_the_runner_splits_the_legs_into_at_most_jobs_groups_in_matrix_order(picks: list, jobs: int) -> None:
+    legs = sorted(picks, key=MATRIX.legs.index)
+    groups = _load_runner_module().split_legs(legs, jobs)
+    assert 1 <= len(groups) <= min(jobs, len(legs)) and all(groups)
+    assert sorted(leg.name for group in groups for leg in group) == sorted(leg.name for leg in legs)
+    assert all(group == sorted(group, key=legs.index) for group in groups)
+
+
+def test_two_jobs_balance_the_core_legs() -> None:
+    """With two processes, neither runs more than one core leg beyond the other."""
+    groups = _load_runner_module().split_legs(list(MATRIX.legs), 2)
+    core = [sum(leg.tests == "core" for leg in group) for group in groups]
+    assert len(groups) == 2 and abs(core[0] - core[1]) <= 1, [[leg.name for leg in group] for group in groups]
