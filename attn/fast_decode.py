@@ -267,8 +267,11 @@ class DecodeCompiled(nn.Module):
         self.rewrite = rewrite
         self.vector_bits = vector_bits
         self.stats = DecodeCompileStats()
-        # Not a submodule: the wrapped model is registered once, as ``model``.
-        object.__setattr__(self, "_step", torch.compile(model, fullgraph=True, backend=self._backend))
+        # Not a submodule: the wrapped model is registered once, as ``model``. Static shapes: a
+        # new batch size or cache length compiles a graph of its own, with its linears rewritten
+        # for that many rows (a graph with symbolic sizes would keep the BLAS kernel).
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=self._backend)
+        object.__setattr__(self, "_step", step)
 
     def __getattr__(self, name: str) -> Any:
         try:

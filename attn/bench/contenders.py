@@ -346,9 +346,10 @@ class AttnCompiled(AttnEager):
             return None
         stats = self.fast.stats
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
+        layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
         return (
             f"{stats.linears_rewritten} linear layer(s) and {stats.attention_rewritten} attention call(s) "
-            f"rewritten as reductions; SIMD width {width}; "
+            f"rewritten as reductions ({layers}); SIMD width {width}; "
             f"{stats.compile_seconds:.1f} s in inductor"
         )
 
