@@ -219,3 +219,15 @@ def test_bad_arguments() -> None:
         compile_for_decode(model, vector_bits=300)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())
+
+
+def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -> None:
+    """Static shapes: the second batch size gets a graph of its own, rewritten for its rows
+    (not a graph with a symbolic batch, which would keep the BLAS kernel), same tokens as eager."""
+    model = tiny_model(17)
+    fast = compile_for_decode(model)
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5]]):
+        got = attn.generate(fast, prompts, max_new_tokens=5)
+        assert torch.equal(got.tokens, attn.generate(model, prompts, max_new_tokens=5).tokens)
+    assert fast.stats.graphs == 2, fast.stats
+    assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)
