@@ -15,6 +15,12 @@ way (``decode_attention``): for one query per row, the stock SDPA kernel is an o
 per layer with its own setup cost (0.1 ms per layer in bf16); written as reductions it fuses
 with its neighbours, and the whole step becomes one generated kernel.
 
+Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
+calls (``attn.compat.compile_region``), so inductor compiles one layer, not all of them. A
+30-layer SmolLM2-shaped model, fp32, on a 2-core AMD EPYC with a compiler build beside it:
+18 s in inductor cold, 6.5 s warm (inductor's on-disk cache), against 84 s with every layer
+compiled; decode speed and tokens the same.
+
 What it does not do, on purpose:
 
 - no inductor ``freezing``: freezing makes a second, pre-packed copy of every weight
@@ -327,8 +333,8 @@ def compile_for_decode(
 ) -> DecodeCompiled:
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
-    The step compiles on its first call (tens of seconds for a 100M-parameter model on two
-    cores) and once per new batch size, cache length or dtype after that; decode through
+    The step compiles on its first call (seconds to tens of seconds on two cores: the module
+    doc has figures) and once per new batch size, cache length or dtype after that; decode through
     ``attn.generate`` compiles once for a whole generation. Set up the caches once
     (``model.setup_caches``) to share one compiled step between generations of different
     lengths. The cache decision runs in eager code before the step, so a plain
