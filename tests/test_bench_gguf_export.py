@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -14,8 +15,6 @@ import attn
 from attn.bench.contenders import init_weights
 from attn.bench.gguf_export import export_gguf, interleave_rope_rows, rope_frequency_factors, unsupported
 from attn.rope import RopeScaling, RotaryEmbedding, inverse_frequencies
-
-gguf = pytest.importorskip("gguf", reason="the gguf package writes and reads the files: pip install 'attn[test]'")
 
 TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64)
 LLAMA3 = RopeScaling("llama3", factor=8.0, original_max_seq_len=64)

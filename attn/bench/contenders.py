@@ -468,8 +468,8 @@ class LlamaCpp(Contender):
     def skip_reason(self, ctx: CellContext) -> str | None:
         if not llama_cpp_available():
             return (
-                "llama-cpp-python is not installed (pip install 'attn[llama-cpp]' builds it from source, "
-                "about 20 minutes on 2 cores; see attn/bench/contenders.py)"
+                "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'attn[llama-cpp]' "
+                "builds it from source, about 20 minutes on 2 cores)"
             )
         if ctx.cell.batch_size != 1:
             return f"batch {ctx.cell.batch_size}: llama-cpp-python's Llama holds one sequence, so only batch 1 runs"
