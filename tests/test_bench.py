@@ -207,6 +207,18 @@ def test_llama_cpp_generates_attns_greedy_tokens_and_logits(fields: dict) -> Non
     assert torch.equal(again.tokens, got.tokens) and again.logits is None
 
 
+@pytest.mark.slow  # needs llama-cpp-python, a source build (pip install 'attn[llama-cpp]')
+def test_llama_cpp_bf16_passes_the_logits_check() -> None:
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed: pip install 'attn[llama-cpp]' (builds from source)")
+    ctx = CellContext(Cell("tiny", attn.DecoderConfig(max_seq_len=64, **TINY), torch.bfloat16, 1, 1, 12, 20))
+    contender = LlamaCpp()
+    contender.setup(ctx)
+    got = contender.generate(ctx, 20, want_logits=True)
+    verdict = check_logits(ctx.reference_model, ctx.prompts, got.tokens, got.logits)
+    assert verdict.ok, verdict.detail
+
+
 def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:
     status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-nocache"])
     out = capsys.readouterr().out
