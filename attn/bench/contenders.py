@@ -477,6 +477,7 @@ class LlamaCpp(Contender):
         return None if problem is None else f"cannot export to GGUF: {problem}"
 
     def setup(self, ctx: CellContext) -> None:
+        import gguf
         import llama_cpp
 
         cell = ctx.cell
@@ -484,7 +485,7 @@ class LlamaCpp(Contender):
         path = gguf_export.export_gguf(ctx.model, Path(self.folder.name) / "model.gguf")
         if ctx.standalone:
             ctx.release_models()  # a memory probe: llama.cpp holds its own copy now
-        cache_type = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}[cell.dtype]  # GGML_TYPE_*
+        cache_type = int(gguf.GGMLQuantizationType[gguf_export.GGML_TYPES[cell.dtype]])  # the cell's dtype
         self.threads = cell.threads
         self.llm = llama_cpp.Llama(
             model_path=str(path),

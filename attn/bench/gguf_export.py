@@ -36,6 +36,7 @@ from attn.rope import inverse_frequencies
 
 __all__ = [
     "ARCHITECTURE",
+    "GGML_TYPES",
     "export_gguf",
     "gguf_tensors",
     "interleave_rope_rows",
@@ -46,8 +47,8 @@ __all__ = [
 ARCHITECTURE = "llama"
 """The llama.cpp architecture the file declares."""
 
-_FILE_TYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-"""Model dtype -> the GGML type its matrices are written in."""
+GGML_TYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+"""Model dtype -> the GGML type (``gguf.GGMLQuantizationType`` name) its matrices are written in."""
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: llama.cpp's defaults for a SentencePiece vocab
 
@@ -61,8 +62,8 @@ def unsupported(config: DecoderConfig, dtype: torch.dtype) -> str | None:
             f"the config has a sliding window ({config.sliding_window}), which llama.cpp's llama "
             "architecture does not apply"
         )
-    if dtype not in _FILE_TYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _FILE_TYPES)
+    if dtype not in GGML_TYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in GGML_TYPES)
         return f"GGUF export writes {names} weights, not {str(dtype).removeprefix('torch.')}"
     return None
 
@@ -172,7 +173,7 @@ def gguf_tensors(model: TransformerDecoder) -> dict[str, torch.Tensor]:
 def _write_config(writer: Any, config: DecoderConfig, dtype: torch.dtype) -> None:
     import gguf
 
-    kind = _FILE_TYPES[dtype]
+    kind = GGML_TYPES[dtype]
     writer.add_name("attn TransformerDecoder")
     writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if kind == "F32" else f"MOSTLY_{kind}"))
     writer.add_vocab_size(config.vocab_size)
