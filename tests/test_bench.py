@@ -16,9 +16,18 @@ import torch
 import attn
 from attn import bench, compat
 from attn.bench.check import check_logits, check_tokens
-from attn.bench.contenders import AttnEager, Cell, CellContext, Generated, transformers_available
+from attn.bench.contenders import (
+    AttnEager,
+    Cell,
+    CellContext,
+    Generated,
+    LlamaCpp,
+    llama_cpp_available,
+    transformers_available,
+)
 from attn.bench.run import BenchSpec, run_benchmark
 from attn.compat import CachePolicy
+from attn.rope import RopeScaling
 
 TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48)
 TINY_JSON = json.dumps(TINY)
@@ -124,11 +133,15 @@ def test_json_has_every_field(result_json: dict) -> None:
         "attn-nocache",
         "hf-static",
         "hf-dynamic",
+        "llama.cpp",
     }
     assert set(rows) == expected
     for name, row in rows.items():
         if name.startswith("hf-") and not transformers_available():
             assert "transformers is not installed" in row["skipped"]
+            continue
+        if name == "llama.cpp" and not llama_cpp_available():
+            assert "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install" in row["skipped"]
             continue
         assert row["skipped"] is None, row
         assert row["check_ok"] is True, row["check"]
@@ -145,6 +158,67 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert len(rows["attn-nocache"]["decode_tokens_per_s"]["values"]) == 1  # capped at one run
     if transformers_available():
         assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
+
+
+def test_llama_cpp_says_why_it_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    contender = LlamaCpp()
+    monkeypatch.setattr("attn.bench.contenders.llama_cpp_available", lambda: False)
+    assert "llama-cpp-python is not installed" in (contender.skip_reason(CellContext(tiny_cell(batch_size=1))) or "")
+    monkeypatch.setattr("attn.bench.contenders.llama_cpp_available", lambda: True)
+    assert contender.skip_reason(CellContext(tiny_cell(batch_size=1))) is None
+    assert "batch 2: llama-cpp-python's Llama holds one sequence" in (
+        contender.skip_reason(CellContext(tiny_cell(batch_size=2))) or ""
+    )
+    config = attn.DecoderConfig(max_seq_len=64, qk_norm=True, **TINY)
+    reason = contender.skip_reason(CellContext(Cell("qk", config, torch.float32, 1, 1, 6, 5))) or ""
+    assert reason.startswith("cannot export to GGUF: the config has q/k norms")
+
+
+LLAMA_CPP_CONFIGS = {
+    "gqa": {},
+    "tied-biases-llama3": dict(
+        tie_embeddings=True,
+        qkv_bias=True,
+        out_bias=True,
+        rope_base=100_000.0,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_seq_len=16),
+    ),
+    "yarn-head-dim": dict(head_dim=16, rope_scaling=RopeScaling("yarn", factor=4.0, original_max_seq_len=8)),
+}
+
+
+@pytest.mark.slow  # needs llama-cpp-python, a source build (pip install 'attn[llama-cpp]')
+@pytest.mark.parametrize("fields", LLAMA_CPP_CONFIGS.values(), ids=LLAMA_CPP_CONFIGS.keys())
+def test_llama_cpp_generates_attns_greedy_tokens_and_logits(fields: dict) -> None:
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed: pip install 'attn[llama-cpp]' (builds from source)")
+    config = attn.DecoderConfig(max_seq_len=64, **{**TINY, **fields})
+    ctx = CellContext(Cell("tiny", config, torch.float32, 1, 1, 12, 20), init_std=0.1)
+    for parameter in ctx.reference_model.parameters():  # norms and biases away from 1 and 0
+        if parameter.dim() == 1:
+            parameter.data.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    reference = AttnEager("attn-eager", None, "").generate(ctx, 20, want_logits=True)
+    contender = LlamaCpp()
+    assert contender.skip_reason(ctx) is None
+    contender.setup(ctx)
+    got = contender.generate(ctx, 20, want_logits=True)
+    assert check_tokens(reference.tokens, got.tokens, reference.logits).ok, (got.tokens, reference.tokens)
+    torch.testing.assert_close(got.logits, reference.logits, rtol=1e-4, atol=1e-4)
+    assert len(got.stamps) == 20 and got.stamps == sorted(got.stamps) and got.ttft > 0
+    again = contender.generate(ctx, 20, want_logits=False)  # a second generation starts afresh
+    assert torch.equal(again.tokens, got.tokens) and again.logits is None
+
+
+@pytest.mark.slow  # needs llama-cpp-python, a source build (pip install 'attn[llama-cpp]')
+def test_llama_cpp_bf16_passes_the_logits_check() -> None:
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed: pip install 'attn[llama-cpp]' (builds from source)")
+    ctx = CellContext(Cell("tiny", attn.DecoderConfig(max_seq_len=64, **TINY), torch.bfloat16, 1, 1, 12, 20))
+    contender = LlamaCpp()
+    contender.setup(ctx)
+    got = contender.generate(ctx, 20, want_logits=True)
+    verdict = check_logits(ctx.reference_model, ctx.prompts, got.tokens, got.logits)
+    assert verdict.ok, verdict.detail
 
 
 def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,16 @@
-"""``python -m attn bench``: decode speed of ``attn`` side by side with ``transformers``, on CPU.
+"""``python -m attn bench``: decode speed of ``attn`` side by side with ``transformers`` and llama.cpp, on CPU.
 
 In one process it measures, for each cell (model size, dtype, batch, threads), every
 contender's decode tokens/s (median, min, max over alternating repeats), time to first
 token, compile time and compiled graphs, checks that each produced the same greedy tokens
 as ``attn`` eager (logits against fp32 for bf16), and relates the speed to the memory-bound
 limit measured on the spot. Peak memory is measured in a fresh process per contender.
+
+llama.cpp (contender ``llama.cpp``, batch 1) runs when ``llama-cpp-python`` is installed, on
+the same weights written to a GGUF file, and says why it is skipped otherwise. It builds from
+source, about 20 minutes on 2 cores; ``-DGGML_NATIVE=ON`` builds for this machine's CPU::
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'attn[llama-cpp]'
 
 Example::
 
@@ -90,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m attn bench",
         description=(
             "Decode speed of attn (eager, compiled, no cache) against transformers (static and "
-            "dynamic cache) with the same weights, with a correctness check of every contender."
+            "dynamic cache) and llama.cpp (batch 1, when llama-cpp-python is installed: "
+            "CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'attn[llama-cpp]', a source build) with the same "
+            "weights, with a correctness check of every contender."
         ),
         epilog=(
             "Without --config/--dtype/--batch/--threads it runs the four cells of issue 6: "

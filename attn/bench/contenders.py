@@ -7,17 +7,24 @@ tokens, optionally its logits (for the correctness check), and a time stamp take
 forward pass returned (the prefill first), from which the benchmark derives time to first
 token, decode tokens/s and latency per position. ``attn`` contenders go through
 ``attn.generate``; ``transformers`` ones through ``AutoModelForCausalLM.generate`` with weights
-copied from the ``attn`` model.
+copied from the ``attn`` model; ``llama.cpp`` through ``llama-cpp-python``'s ``Llama.eval``, one
+call per forward pass, on the ``attn`` model exported to GGUF (``attn.bench.gguf_export``).
+
+llama.cpp is optional: ``pip install 'attn[llama-cpp]'`` builds ``llama-cpp-python`` from
+source (about 20 minutes on 2 cores); ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` makes the build use
+every instruction set of the machine it is built on.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +32,7 @@ from torch import nn
 
 import attn
 from attn import compat
+from attn.bench import gguf_export
 from attn.bench.baseline import greedy_without_cache
 from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.compat import CachePolicy, CompatWarning
@@ -144,6 +152,11 @@ def transformers_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
+def llama_cpp_available() -> bool:
+    """Are ``llama-cpp-python`` and ``gguf`` (the file writer) both installed?"""
+    return all(importlib.util.find_spec(name) is not None for name in ("llama_cpp", "gguf"))
+
+
 def hf_config(config: DecoderConfig) -> Any:
     """The transformers config of the same architecture as ``config`` (``config_to_hf``), without EOS."""
     import transformers
@@ -253,6 +266,10 @@ class CellContext:
                     hf.tie_weights()
             self._hf = hf.to(self.cell.dtype)
         return self._hf
+
+    def release_models(self) -> None:
+        """Drops the models built so far (a memory probe of a contender that copied what it needs)."""
+        self._fp32 = self._model = self._hf = None
 
 
 @contextmanager
@@ -432,6 +449,96 @@ class HFGenerate(Contender):
         return Generated(tokens, logits, start, stamps)
 
 
+class LlamaCpp(Contender):
+    """llama.cpp through ``llama-cpp-python``, on the ``attn`` model written to a GGUF file.
+
+    Batch 1 only: ``Llama`` holds one sequence. Greedy decoding is an argmax of the logits
+    of each ``Llama.eval`` here, not llama.cpp's sampler (which would also stop at the dummy
+    vocabulary's end-of-sequence id). The KV-cache is kept in the cell's dtype (llama.cpp's
+    default is F16) and flash attention is off, so an fp32 cell computes in fp32 throughout.
+    """
+
+    name = "llama.cpp"
+    description = "llama-cpp-python, the same weights as GGUF (llama arch), one Llama.eval per forward pass"
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+        self.folder: tempfile.TemporaryDirectory[str] | None = None
+        self.threads = 0
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        if not llama_cpp_available():
+            return (
+                "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'attn[llama-cpp]' "
+                "builds it from source, about 20 minutes on 2 cores)"
+            )
+        if ctx.cell.batch_size != 1:
+            return f"batch {ctx.cell.batch_size}: llama-cpp-python's Llama holds one sequence, so only batch 1 runs"
+        problem = gguf_export.unsupported(ctx.cell.config, ctx.cell.dtype)
+        return None if problem is None else f"cannot export to GGUF: {problem}"
+
+    def setup(self, ctx: CellContext) -> None:
+        import gguf
+        import llama_cpp
+
+        cell = ctx.cell
+        self.folder = tempfile.TemporaryDirectory(prefix="attn-bench-gguf-")
+        path = gguf_export.export_gguf(ctx.model, Path(self.folder.name) / "model.gguf")
+        if ctx.standalone:
+            ctx.release_models()  # a memory probe: llama.cpp holds its own copy now
+        cache_type = int(gguf.GGMLQuantizationType[gguf_export.GGML_TYPES[cell.dtype]])  # the cell's dtype
+        self.threads = cell.threads
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=cell.prompt_len + cell.new_tokens,
+            n_batch=cell.prompt_len,  # the prompt in one pass, as the others prefill it
+            n_ubatch=cell.prompt_len,
+            n_threads=cell.threads,
+            n_threads_batch=cell.threads,
+            type_k=cache_type,
+            type_v=cache_type,
+            flash_attn=False,
+            n_gpu_layers=0,
+            seed=0,
+            verbose=False,
+        )
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        import llama_cpp
+        import numpy as np
+
+        llm = self.llm
+        if llm is None:
+            raise RuntimeError(f"{self.name}: setup() was not called")
+        vocab_size = ctx.cell.config.vocab_size
+        tokens: list[int] = []
+        kept: list[torch.Tensor] = []
+        stamps: list[float] = []
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ctx.prompts[0].tolist())  # the prefill
+        while True:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab_size,))  # (v,)
+            stamps.append(time.perf_counter())
+            tokens.append(int(logits.argmax()))
+            if want_logits:
+                kept.append(torch.from_numpy(logits.copy()))
+            if len(tokens) == new_tokens:
+                break
+            llm.eval(tokens[-1:])  # one decode step
+        generated = torch.tensor([tokens])  # (1, N)
+        logits_out = torch.stack(kept)[None] if want_logits else None  # (1, N, v)
+        return Generated(generated, logits_out, start, stamps)
+
+    def note(self) -> str | None:
+        import llama_cpp
+
+        return (
+            f"llama-cpp-python {llama_cpp.__version__}, {self.threads} thread(s), KV-cache in the cell's dtype, "
+            "flash attention off"
+        )
+
+
 CONTENDERS: dict[str, Any] = {
     "attn-eager": lambda: AttnEager("attn-eager", None, "attn.generate, eager, the default cache policy"),
     "attn-compiled": lambda: AttnCompiled(
@@ -448,6 +555,7 @@ CONTENDERS: dict[str, Any] = {
     "attn-nocache": AttnNoCache,
     "hf-static": lambda: HFGenerate("static"),
     "hf-dynamic": lambda: HFGenerate("dynamic"),
+    "llama.cpp": LlamaCpp,
 }
 """Every contender by name: a factory for a fresh instance."""
 
@@ -457,6 +565,7 @@ DEFAULT_CONTENDERS = (
     "attn-nocache",
     "hf-static",
     "hf-dynamic",
+    "llama.cpp",
 )
 
 
