@@ -221,6 +221,16 @@ def test_llama_cpp_bf16_passes_the_logits_check() -> None:
     assert verdict.ok, verdict.detail
 
 
+@pytest.mark.slow  # inductor compiles the prefill and decode graphs
+def test_torch_compiled_model_generates_eagers_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    """The contender for users who compile the obvious way: ``torch.compile(model)``, then
+    ``attn.generate``; its greedy tokens are eager's."""
+    status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-torch-compile"])
+    out = capsys.readouterr().out
+    assert status == 0 and "attn-torch-compile" in out
+    assert "correctness: all 2 checked contender runs agree" in out
+
+
 def test_table_reports_the_check(capsys: pytest.CaptureFixture[str]) -> None:
     status = bench.main(["--cells", "tiny:fp32:1:1", *ARGS, "--contenders", "attn-eager,attn-nocache"])
     out = capsys.readouterr().out

@@ -371,6 +371,23 @@ class AttnCompiled(AttnEager):
         )
 
 
+class AttnTorchCompile(AttnEager):
+    """``attn.generate`` on ``torch.compile(model)``: what a user who compiles the obvious way
+    gets (inductor, default options; prefill and decode graphs compile in the warm-up run)."""
+
+    def __init__(self) -> None:
+        super().__init__("attn-torch-compile", None, "attn.generate on torch.compile(model), inductor defaults")
+        self.compiled: nn.Module | None = None
+
+    def setup(self, ctx: CellContext) -> None:
+        self.compiled = torch.compile(ctx.model)
+
+    def runner(self, ctx: CellContext) -> Any:
+        if self.compiled is None:
+            raise RuntimeError(f"{self.name}: setup() was not called")
+        return self.compiled
+
+
 class AttnNoCache(Contender):
     """Greedy decoding with no cache: every step runs the whole sequence again."""
 
@@ -552,6 +569,7 @@ CONTENDERS: dict[str, Any] = {
         "decode step compiled with stock inductor (no linear rewrite)",
         rewrite=False,
     ),
+    "attn-torch-compile": AttnTorchCompile,
     "attn-nocache": AttnNoCache,
     "hf-static": lambda: HFGenerate("static"),
     "hf-dynamic": lambda: HFGenerate("dynamic"),
