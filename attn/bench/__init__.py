@@ -159,7 +159,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --workloads: both GRPO sides decode with attn.compile_for_decode",
     )
+    parser.add_argument(
+        "--compile-time",
+        action="store_true",
+        help=(
+            "instead of decode speed: seconds before the first token through attn.compile_for_decode, cold "
+            "(a new inductor cache) and warm (inductor's on-disk cache), each in a fresh process, per cell"
+        ),
+    )
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process
+    parser.add_argument("--compile-probe", help=argparse.SUPPRESS)  # internal: one compile, in a fresh process
     return parser
 
 
@@ -268,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(json.dumps(memory_probe(json.loads(args.memory_probe))))
         return 0
+    if args.compile_probe:
+        from attn.bench.compile_time import compile_probe
+
+        print(json.dumps(compile_probe(json.loads(args.compile_probe))))
+        return 0
     if args.workloads:
         return _run_workloads(args, parser)
     try:
@@ -275,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets = None if args.targets is None else Targets.from_file(args.targets)
     except ValueError as error:
         parser.error(str(error))
+    if args.compile_time:
+        return _run_compile_time(spec)
     result = run_benchmark(spec)
     if args.plot:
         problem = write_plot(result, args.plot)
@@ -284,6 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(result, args.json)
         print(f"JSON written to {args.json}")
     return 1 if any(row.check_ok is False for row in result.rows) else 0
+
+
+def _run_compile_time(spec: BenchSpec) -> int:
+    from attn.bench.compile_time import format_compile_times, measure_compile_times
+    from attn.bench.run import _machine
+
+    results = measure_compile_times(spec)
+    print(format_compile_times(results, f"{_machine()['cpu']}, torch {torch.__version__}"))
+    return 1 if any(r.problem for r in results) else 0
 
 
 def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,0 +1,114 @@
+"""``python -m attn bench --compile-time``: how long ``attn.compile_for_decode`` keeps a user
+waiting before the first token, cold and warm.
+
+Per cell, two fresh processes share one new inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``):
+the first compiles from nothing (cold), the second finds inductor's on-disk cache (warm), as a
+user's second run of the same script would. Each builds the cell's model, compiles it for
+decode and times its first ``attn.generate`` (an eager prefill, then the compiled step for one
+more token): the wall time, and the share spent in inductor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import attn
+from attn.bench.contenders import Cell, CellContext
+from attn.bench.run import BenchSpec, _cell_to_dict, cell_from_dict
+from attn.fast_decode import compile_for_decode
+
+__all__ = ["CompileTime", "compile_probe", "format_compile_times", "measure_compile_times"]
+
+
+@dataclass(frozen=True)
+class CompileTime:
+    """One cell's first generation through ``compile_for_decode``, cold and warm.
+
+    Attributes:
+        first_generate_s: (cold, warm) wall seconds of the first ``attn.generate``.
+        inductor_s: (cold, warm) seconds of it in inductor (``DecodeCompileStats.compile_seconds``).
+        regions: 1 where one decoder layer was compiled for every layer, else 0.
+        problem: why the cell was not measured, or ``None``.
+    """
+
+    cell: str
+    layers: int
+    first_generate_s: tuple[float, float] | None = None
+    inductor_s: tuple[float, float] | None = None
+    regions: int = 0
+    problem: str | None = None
+
+
+def compile_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a fresh process: the first generation through ``compile_for_decode``."""
+    warnings.simplefilter("ignore")
+    cell = cell_from_dict(spec["cell"])
+    torch.set_num_threads(cell.threads)
+    ctx = CellContext(cell, seed=spec["seed"], init_std=spec["init_std"], checkpoint=spec.get("checkpoint"))
+    fast = compile_for_decode(ctx.model, max_rows=cell.batch_size)
+    start = time.perf_counter()
+    attn.generate(fast, ctx.prompts, max_new_tokens=2)
+    seconds = time.perf_counter() - start
+    return {"first_generate_s": seconds, "inductor_s": fast.stats.compile_seconds, "regions": fast.stats.regions}
+
+
+def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float) -> dict[str, Any]:
+    payload = {"cell": _cell_to_dict(cell), "seed": spec.seed, "init_std": spec.init_std, "checkpoint": spec.checkpoint}
+    command = [sys.executable, "-m", "attn.bench", "--compile-probe", json.dumps(payload)]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"compile probe failed (exit {done.returncode}): {tail}")
+    return json.loads(lines[-1])
+
+
+def measure_compile_times(spec: BenchSpec, timeout: float = 1800.0) -> list[CompileTime]:
+    """Cold, then warm, for every cell of ``spec``, each in a fresh process."""
+    results = []
+    for cell in spec.cells:
+        layers = cell.config.num_layers
+        with tempfile.TemporaryDirectory(prefix="attn-inductor-") as cache_dir:
+            try:
+                cold, warm = (_probe(cell, spec, cache_dir, timeout) for _ in range(2))
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                results.append(CompileTime(cell.label, layers, problem=str(error)))
+                continue
+        results.append(
+            CompileTime(
+                cell.label,
+                layers,
+                first_generate_s=(cold["first_generate_s"], warm["first_generate_s"]),
+                inductor_s=(cold["inductor_s"], warm["inductor_s"]),
+                regions=warm["regions"],
+            )
+        )
+    return results
+
+
+def format_compile_times(results: list[CompileTime], machine: str) -> str:
+    """A plain-text table: one line per cell, cold and warm."""
+    lines = [
+        f"compile_for_decode before the first token ({machine}); seconds, first generate (in inductor)",
+        f"  {'cell':<28} {'layers':>6}  {'cold':>16}  {'warm':>16}  layers compiled",
+    ]
+    for r in results:
+        if r.first_generate_s is None or r.inductor_s is None:
+            lines.append(f"  {r.cell:<28} {r.layers:>6}  not measured: {r.problem}")
+            continue
+        pairs = zip(r.first_generate_s, r.inductor_s, strict=True)
+        cold, warm = (f"{total:6.1f} ({inductor:5.1f})" for total, inductor in pairs)
+        compiled = "one, for every layer" if r.regions else "every layer"
+        lines.append(f"  {r.cell:<28} {r.layers:>6}  {cold:>16}  {warm:>16}  {compiled}")
+    return "\n".join(lines)
