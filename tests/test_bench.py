@@ -308,12 +308,12 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_workloads_run_both_sides_and_check_them(capsys: pytest.CaptureFixture[str]) -> None:
-    from attn.bench.workloads import GrpoShape, ScoringShape, WorkloadSpec, format_workloads, run_workloads
+    from attn.bench.workloads import WorkloadSpec, format_workloads, run_workloads
 
     spec = WorkloadSpec(
         attn.DecoderConfig(max_seq_len=8, **TINY),  # run_workloads widens it to fit
-        grpo=GrpoShape(prompts=2, samples=3, prompt_len=7, new_tokens=4),
-        scoring=ScoringShape(questions=2, choices=3, context_len=9, continuation_len=2),
+        grpo=(2, 3, 7, 4),  # B, G, P, N
+        scoring=(2, 3, 9, 2),  # Q, K, C, m
         repeats=1,
     )
     results = run_workloads(spec)

@@ -30,27 +30,7 @@ from attn.fast_decode import compile_for_decode
 from attn.generation import generate
 from attn.scoring import score_continuations
 
-__all__ = ["GrpoShape", "ScoringShape", "WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
-
-
-@dataclass(frozen=True)
-class GrpoShape:
-    """B prompts x G samples: prompts of P tokens, N new tokens each."""
-
-    prompts: int = 2
-    samples: int = 8
-    prompt_len: int = 256
-    new_tokens: int = 64
-
-
-@dataclass(frozen=True)
-class ScoringShape:
-    """N questions of K continuations: contexts of C tokens, continuations of m."""
-
-    questions: int = 8
-    choices: int = 4
-    context_len: int = 256
-    continuation_len: int = 4
+__all__ = ["WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +41,9 @@ class WorkloadSpec:
         config: the model (random weights, ``init_std``).
         dtype: parameter dtype.
         threads: torch intra-op threads.
-        grpo, scoring: the two workloads' shapes.
+        grpo: (B, G, P, N): B prompts x G samples, prompts of P tokens, N new tokens each.
+        scoring: (Q, K, C, m): Q questions of K continuations, contexts of C tokens,
+            continuations of m.
         repeats: timed runs of each side.
         compile: both grpo sides decode with ``attn.compile_for_decode`` (one compiled step,
             compiled in the warm-up run, not in the timed ones).
@@ -70,8 +52,8 @@ class WorkloadSpec:
     config: DecoderConfig
     dtype: torch.dtype = torch.float32
     threads: int = 1
-    grpo: GrpoShape = GrpoShape()
-    scoring: ScoringShape = ScoringShape()
+    grpo: tuple[int, int, int, int] = (2, 8, 256, 64)
+    scoring: tuple[int, int, int, int] = (8, 4, 256, 4)
     repeats: int = 3
     init_std: float = 0.05
     seed: int = 0
@@ -112,28 +94,27 @@ def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats
 
 
 def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
-    shape = spec.grpo
-    B, G = shape.prompts, shape.samples
-    prompts = torch.randint(1, spec.config.vocab_size, (B, shape.prompt_len), generator=generator)
+    B, G, P, N = spec.grpo
+    prompts = torch.randint(1, spec.config.vocab_size, (B, P), generator=generator)
     expanded = prompts.repeat_interleave(G, 0)  # (B * G, P)
 
     def sample(batch: torch.Tensor, num_samples: int) -> Callable[[], object]:
         return lambda: generate(
             model,
             batch,
-            max_new_tokens=shape.new_tokens,
+            max_new_tokens=N,
             temperature=1.0,
             num_samples=num_samples,
             generator=torch.Generator().manual_seed(spec.seed),
         )
 
     ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
-    forked = generate(model, prompts, max_new_tokens=shape.new_tokens, num_samples=G)
-    plain = generate(model, expanded, max_new_tokens=shape.new_tokens)
+    forked = generate(model, prompts, max_new_tokens=N, num_samples=G)
+    plain = generate(model, expanded, max_new_tokens=N)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
     return WorkloadResult(
         name="grpo",
-        shape=f"B={B} x G={G}, prompt {shape.prompt_len}, {shape.new_tokens} new"
+        shape=f"B={B} x G={G}, prompt {P}, {N} new"
         + (", decode compiled (compile_for_decode)" if spec.compile else ", eager"),
         ours="generate(num_samples=G): prefill B, fork",
         theirs="generate on B x G repeated prompts",
@@ -160,13 +141,14 @@ def _per_question_full_passes(
 
 
 def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
-    vocab, shape = spec.config.vocab_size, spec.scoring
+    vocab = spec.config.vocab_size
+    Q, K, C, m = spec.scoring
     questions = [
         (
-            torch.randint(1, vocab, (shape.context_len,), generator=generator).tolist(),
-            torch.randint(1, vocab, (shape.choices, shape.continuation_len), generator=generator).tolist(),
+            torch.randint(1, vocab, (C,), generator=generator).tolist(),
+            torch.randint(1, vocab, (K, m), generator=generator).tolist(),
         )
-        for _ in range(shape.questions)
+        for _ in range(Q)
     ]
 
     def shared() -> list[list[float]]:
@@ -182,8 +164,7 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     same_choice = bool((got.argmax(-1) == expected.argmax(-1)).all())
     return WorkloadResult(
         name="scoring",
-        shape=f"{shape.questions} questions x {shape.choices} choices, context {shape.context_len}, "
-        f"continuation {shape.continuation_len}",
+        shape=f"{Q} questions x {K} choices, context {C}, continuation {m}",
         ours="score_continuations: context once",
         theirs="K context+continuation rows, one pass",
         ours_s=ours,
@@ -198,14 +179,14 @@ def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
     before = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
-        grpo, scoring = spec.grpo, spec.scoring
-        max_len = max(grpo.prompt_len + grpo.new_tokens, scoring.context_len + scoring.continuation_len)
+        (B, G, P, N), (_, _, C, m) = spec.grpo, spec.scoring
+        max_len = max(P + N, C + m)
         config = spec.config if spec.config.max_seq_len >= max_len else replace(spec.config, max_seq_len=max_len)
         model = TransformerDecoder(config)
         init_weights(model, spec.init_std, spec.seed)
         model = model.to(spec.dtype).eval()
         generator = torch.Generator().manual_seed(spec.seed)
-        rows = grpo.prompts * grpo.samples  # the B x G rows both grpo sides decode: all rewritten
+        rows = B * G  # the B x G rows both grpo sides decode: all rewritten
         decoder = compile_for_decode(model, max_rows=rows) if spec.compile else model
         return [_grpo(decoder, spec, generator), _scoring(model, spec, generator)]
     finally:
