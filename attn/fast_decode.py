@@ -179,28 +179,24 @@ def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int) -> int
 
 @dataclass
 class DecodeCompileStats:
-    """What the decode compiler did, for tests and benchmarks.
-
-    Attributes:
-        graphs: graphs compiled so far (1 after the first decode step; more means a
-            recompile: a new batch size, cache length, dtype or cache policy).
-        regions: subgraphs compiled once and called many times, over all graphs: 1 a graph
-            where the release compiles one decoder layer for every layer
-            (``attn.compat.compile_regions_supported()``), 0 where each layer is compiled.
-        linears_rewritten: linear calls turned into row-wise reductions, over all graphs and
-            their regions (a layer's count once when its region serves every layer).
-        attention_rewritten: attention calls turned into reductions (``decode_attention``),
-            counted like ``linears_rewritten``.
-        compile_seconds: wall time spent in inductor, over all graphs.
-        vector_bits: SIMD width the last graph was compiled with (``None``: inductor's choice).
-    """
+    """What the decode compiler did, for tests and benchmarks."""
 
     graphs: int = 0
+    """Graphs compiled so far: 1 after the first decode step; more means a recompile (a new
+    batch size, cache length, dtype or cache policy)."""
     regions: int = 0
+    """Subgraphs compiled once and called many times, over all graphs: 1 a graph where the
+    release compiles one decoder layer for every layer (``attn.compat.compile_regions_supported()``),
+    0 where each layer is compiled."""
     linears_rewritten: int = 0
+    """Linear calls turned into row-wise reductions, over all graphs and their regions (a
+    layer's count once when its region serves every layer)."""
     attention_rewritten: int = 0
+    """Attention calls turned into reductions (``decode_attention``), counted the same way."""
     compile_seconds: float = 0.0
+    """Wall time spent in inductor, over all graphs."""
     vector_bits: int | None = None
+    """SIMD width the last graph was compiled with (``None``: inductor's choice)."""
 
 
 def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tuple[int, torch.dtype]]:

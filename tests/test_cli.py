@@ -50,8 +50,8 @@ def test_demo_subprocess_writes_json(tmp_path: Path) -> None:
     assert {("train", False), ("eval", True), ("eval", False), ("ppo", True), ("ppo", False)} <= kinds
     assert {("lora-ppo", True), ("lora-ppo", False), ("speed", True), ("speed", False)} <= kinds
     assert result["train"]["steps"] == 20 and result["train"]["passes"][0]["count"] == 20
-    assert result["eval"]["scores_match"] and result["eval"]["scores_bit_identical_to_never_cached_copy"]
-    assert result["ppo"]["generated_tokens_are_inference_tensors"] is False
+    assert result["eval"]["scores_match"] and result["eval"]["scores_bit_identical"]
+    assert result["ppo"]["tokens_are_inference"] is False
     assert result["speed"]["cached_tokens_per_s"] > 0 and result["speed"]["uncached_tokens_per_s"] > 0
     assert result["speed"]["same_tokens"] is True
     assert result["seconds"]["total"] > 0

@@ -33,7 +33,7 @@ from attn.compat import CachePolicy
 from attn.decoder import TransformerDecoder
 from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import IGNORE_INDEX, AdditionTask, Problem
-from attn.demo.watch import PassRecord, as_json, base_model, watch
+from attn.demo.watch import JsonResult, PassRecord, base_model, watch
 from attn.generation import GenerationOutput, generate
 from attn.masks import padded_causal_mask
 
@@ -58,7 +58,7 @@ used) and of a copy that never had a cache: compiled kernels may reorder float s
 
 
 @dataclass
-class TrainResult:
+class TrainResult(JsonResult):
     """What ``train`` did: losses, time, and the record of its grad-enabled passes."""
 
     steps: int
@@ -67,9 +67,6 @@ class TrainResult:
     last_loss: float
     seconds: float
     records: list[PassRecord] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, object]:
-        return as_json(self)
 
 
 def train(
@@ -189,8 +186,10 @@ def loglikelihood_task(model: nn.Module, task: AdditionTask, problems: list[Prob
 
 
 @dataclass
-class EvalResult:
+class EvalResult(JsonResult):
     """The eval pattern: generation, log-likelihood, generation again, and the no-cache check."""
+
+    json_derived = ("scores_match",)
 
     generation_accuracy: float
     loglikelihood_accuracy: float
@@ -205,17 +204,6 @@ class EvalResult:
     @property
     def scores_match(self) -> bool:
         return self.scores_max_abs_diff <= LOGPROB_TOLERANCE
-
-    def to_dict(self) -> dict[str, object]:
-        return as_json(
-            self,
-            renamed={
-                "loop_matches_generate": "inference_mode_loop_matches_generate",
-                "scores_max_abs_diff": "scores_max_abs_diff_vs_never_cached_copy",
-                "scores_bit_identical": "scores_bit_identical_to_never_cached_copy",
-            },
-            derived=("scores_match",),
-        )
 
 
 def inference_mode_decode(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -307,32 +295,30 @@ def eval_pattern(model: nn.Module, task: AdditionTask, problems: list[Problem]) 
 
 
 @dataclass
-class PPOResult:
+class PPOResult(JsonResult):
     """One or more PPO steps: rewards, losses, and the records of each kind of pass."""
 
+    json_derived = ("logprobs_match",)
+
     pattern: str
+    """``"ppo"`` or ``"lora-ppo"``."""
     steps: int
     mean_rewards: list[float]
+    """Per step, over the batch."""
     losses: list[float]
     kl: list[float]
+    """Per step: the policy's KL to the reference (the base model, or the adapters off)."""
     logprob_max_abs_diff: float
+    """Largest difference between ``attn.generate``'s log-probs and the grad pass's over the
+    same tokens (the behaviour policy is the policy before the step)."""
     tokens_are_inference: bool
+    """Did ``attn.generate`` return inference tensors? (It must not: they feed autograd.)"""
     trainable_parameters: int
     records: list[PassRecord] = field(default_factory=list)
 
     @property
     def logprobs_match(self) -> bool:
         return self.logprob_max_abs_diff <= LOGPROB_TOLERANCE
-
-    def to_dict(self) -> dict[str, object]:
-        return as_json(
-            self,
-            renamed={
-                "logprob_max_abs_diff": "generation_vs_grad_pass_logprob_max_abs_diff",
-                "tokens_are_inference": "generated_tokens_are_inference_tensors",
-            },
-            derived=("logprobs_match",),
-        )
 
 
 def _sequence_logprobs(model: nn.Module, out: GenerationOutput) -> torch.Tensor:

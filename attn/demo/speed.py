@@ -18,15 +18,17 @@ from torch import nn
 
 from attn.bench.baseline import greedy_without_cache
 from attn.demo.task import AdditionTask, Problem
-from attn.demo.watch import PassRecord, as_json, base_model, watch
+from attn.demo.watch import JsonResult, PassRecord, base_model, watch
 from attn.generation import generate
 
 __all__ = ["SpeedResult", "measure_speed"]
 
 
 @dataclass
-class SpeedResult:
+class SpeedResult(JsonResult):
     """Generation throughput with and without the cache: the fastest of ``repeats`` timed runs."""
+
+    json_derived = ("cached_tokens_per_s", "uncached_tokens_per_s", "speedup")
 
     batch_size: int
     new_tokens: int
@@ -47,13 +49,6 @@ class SpeedResult:
     @property
     def speedup(self) -> float:
         return self.uncached_seconds / self.cached_seconds
-
-    def to_dict(self) -> dict[str, object]:
-        return as_json(
-            self,
-            renamed={"repeats": "timed_runs_each"},
-            derived=("cached_tokens_per_s", "uncached_tokens_per_s", "speedup"),
-        )
 
 
 def measure_speed(

@@ -8,16 +8,17 @@ history (which must never happen).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from attn.decoder import TransformerDecoder
 
-__all__ = ["PassRecord", "as_json", "base_model", "fill_positions", "watch"]
+__all__ = ["JsonResult", "PassRecord", "base_model", "fill_positions", "watch"]
 
 
 def base_model(model: nn.Module) -> TransformerDecoder:
@@ -33,15 +34,16 @@ def fill_positions(model: nn.Module) -> list[int]:
     return [cache.size for cache in base_model(model).kv_caches()]
 
 
-def as_json(
-    result: object, *, renamed: Mapping[str, str] | None = None, derived: Sequence[str] = ()
-) -> dict[str, object]:
-    """A demo result (a dataclass) as JSON-ready values: every field under its own name or
-    ``renamed``'s, then every property named in ``derived``. Its ``records`` become
-    ``"passes"`` (a dict each), tuples become lists."""
-    renamed = {"records": "passes", **(renamed or {})}
-    names = [field.name for field in fields(result)] + list(derived)  # type: ignore[arg-type]
-    return {renamed.get(name, name): _json_value(getattr(result, name)) for name in names}
+class JsonResult:
+    """Mixin for the demo's result dataclasses: ``to_dict`` gives every field as a JSON-ready
+    value under its own name (``records`` as ``"passes"``, a dict each; tuples as lists), then
+    the properties named in ``json_derived``."""
+
+    json_derived: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, object]:
+        names = [field.name for field in fields(self)] + list(self.json_derived)  # type: ignore[arg-type]
+        return {"passes" if name == "records" else name: _json_value(getattr(self, name)) for name in names}
 
 
 def _json_value(value: object) -> object:
@@ -52,7 +54,7 @@ def _json_value(value: object) -> object:
 
 
 @dataclass(frozen=True)
-class PassRecord:
+class PassRecord(JsonResult):
     """What one block of forward passes did to the KV-caches.
 
     Attributes:
@@ -65,6 +67,8 @@ class PassRecord:
         autograd_history: does any cache buffer require grad or have a ``grad_fn`` after?
         count: forward passes of this kind in the block (training steps, ...).
     """
+
+    json_derived = ("used_cache", "ok")
 
     pattern: str
     kind: str
@@ -106,9 +110,6 @@ class PassRecord:
         if self.expect_cache:
             return f"{where}: should have used the cache in every layer, but {fills}"
         return f"{where}: should have left the cache untouched, but {fills}"
-
-    def to_dict(self) -> dict[str, object]:
-        return as_json(self, derived=("used_cache", "ok"))
 
 
 @contextmanager
