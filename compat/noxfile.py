@@ -109,7 +109,9 @@ def install(session: nox.Session, leg: matrix_data.Leg, result: dict) -> None:
         session.error(f"the nightly index served torch {installed}, which is not a pre-release")
     pin = Path(session.virtualenv.location) / "torch-pin.txt"
     pin.write_text(f"torch=={installed}\n")  # the project can never pull another torch
-    session.install("--quiet", "-c", str(pin), "-e", f"{REPO}[test]")
+    # setuptools: inductor's C++ builds import it on torch 2.5 and 2.6 ("No module named
+    # 'setuptools'"); a venv made by python -m venv has it, one made by uv has not.
+    session.install("--quiet", "-c", str(pin), "-e", f"{REPO}[test]", "setuptools")
     result["torch"] = installed
 
 
