@@ -16,8 +16,8 @@ installed torch); compat/matrix.toml only names the release. Checks:
   of ``probe_backends``; where it fails to trace, the error must contain the leg's
   ``probe_error``.
 - ``sequences``: under the default policy, attn's own model runs each sequence below eagerly
-  and compiled without fullgraph (every backend of ``sequence_backends``; inductor runs the
-  ``stale`` one), and cache fill positions, cache contents and tokens must match eager at
+  and compiled without fullgraph (``sequence_backends``: eager and aot_eager run every sequence
+  but ``stale``, inductor runs ``stale`` only), and cache fill positions, cache contents and tokens must match eager at
   every step; passes that must leave the cache alone must leave it bit-for-bit. The graph
   breaks of the first compiled forward must equal the row's ``graph_breaks_per_forward``, and
   ``attn.cached_inference`` with ``fullgraph=True`` must compile the decode step once and

@@ -57,7 +57,7 @@ class Settings:
     min_free_gb: float = 15.0
     jobs: int = 1
     probe_backends: tuple[str, ...] = ("eager", "aot_eager")
-    sequence_backends: tuple[str, ...] = ("eager", "aot_eager")
+    sequence_backends: tuple[str, ...] = ("eager", "inductor")
     core_tests: tuple[str, ...] = field(default_factory=tuple)
 
     @property

@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,14 +48,14 @@ def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: boo
     results.mkdir(parents=True, exist_ok=True)
     for leg in legs:
         (results / f"{leg.name}.json").unlink(missing_ok=True)
-    groups = split_legs(legs, jobs)
+    order = sorted(legs, key=leg_weight, reverse=True)  # longest first: the short ones fill the gaps at the end
     print(
-        f"matrix: {len(legs)} leg(s) in {len(groups)} nox process(es) at a time: "
-        + "; ".join(", ".join(leg.name for leg in group) for group in groups)
+        f"matrix: {len(legs)} leg(s), at most {jobs} at a time, one nox process each, in this order: "
+        + ", ".join(leg.name for leg in order)
         + f"; environments in {data.settings.home_path}"
     )
     start = time.monotonic()
-    sessions = run_groups(groups, results, rebuild)
+    sessions = run_pool(order, jobs, lambda leg: start_leg(leg, results, rebuild, jobs))
     minutes = (time.monotonic() - start) / 60
     outcome = {entry["args"]["name"]: entry for entry in sessions}
     rows = []
@@ -75,52 +77,67 @@ def run_legs(data: matrix_data.Matrix, legs: list[matrix_data.Leg], rebuild: boo
 
 
 def leg_weight(leg: matrix_data.Leg) -> float:
-    """A leg's share of the matrix's time, by its tests (measured: a core leg 4-5 min, a list
-    of a few files 1-2; a leg whose index is not given does not run)."""
+    """A leg's share of the matrix's time, by its tests (measured: a core leg 6-7 min, a list
+    of a few files about 2; a leg whose index is not given does not run)."""
     if leg.index_env and not os.environ.get(leg.index_env):
         return 0.0
     return {"all": 6.0, "core": 5.0}.get(leg.tests, 1.5) if isinstance(leg.tests, str) else 1.5
 
 
-def split_legs(legs: list[matrix_data.Leg], jobs: int) -> list[list[matrix_data.Leg]]:
-    """``legs`` in at most ``jobs`` groups of about equal time (heaviest first, each to the
-    lightest group), each group in the matrix's order."""
-    groups: list[list[matrix_data.Leg]] = [[] for _ in range(max(1, min(jobs, len(legs))))]
-    for leg in sorted(legs, key=leg_weight, reverse=True):
-        min(groups, key=lambda group: sum(map(leg_weight, group))).append(leg)
-    return [sorted(group, key=legs.index) for group in groups if group]
+@dataclass
+class RunningLeg:
+    """A leg's nox process: ``poll()`` is None while it runs; ``finish()`` shows its log and
+    returns nox's report of the session."""
+
+    leg: matrix_data.Leg
+    process: subprocess.Popen
+    log: Path
+    report: Path
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def finish(self) -> list[dict]:
+        print(f"\n{'-' * 30} {self.log.name} (exit {self.process.returncode}) {'-' * 30}", flush=True)
+        print(self.log.read_text(), flush=True)
+        return json.loads(self.report.read_text())["sessions"] if self.report.exists() else []
 
 
-def run_groups(groups: list[list[matrix_data.Leg]], results: Path, rebuild: bool) -> list[dict]:
-    """One nox process per group, all at once; each writes a log, shown whole as it ends.
+def start_leg(leg: matrix_data.Leg, results: Path, rebuild: bool, jobs: int) -> RunningLeg:
+    """Starts ``leg``'s nox session in a process of its own, its output in a log of its own.
 
-    With more than one process, each gets an equal share of the cores for torch's threads
-    (``OMP_NUM_THREADS``), so two legs do not fight over the same two cores.
+    With more than one leg at once, each gets an equal share of the cores for torch's threads
+    (``OMP_NUM_THREADS``), so two legs do not fight over the same cores.
     """
     env = dict(os.environ)
-    if len(groups) > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(groups)))
-    running = []
-    for index, group in enumerate(groups):
-        report, log = results / f"nox-report-{index}.json", results / f"nox-{index}.log"
-        report.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "nox", "-f", str(NOXFILE), "--report", str(report)]
-        command += ["-s", *(leg.session for leg in group)] + (["--reuse-venv=no"] if rebuild else [])
-        print("$ " + " ".join(command) + f"  > {log}", flush=True)
-        handle = open(log, "w")  # noqa: SIM115 - closed below, when the process has ended
+    if jobs > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    report, log = results / f"nox-report-{leg.name}.json", results / f"nox-{leg.name}.log"
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "nox", "-f", str(NOXFILE), "--report", str(report), "-s", leg.session]
+    command += ["--reuse-venv=no"] if rebuild else []
+    print("$ " + " ".join(command) + f"  > {log}", flush=True)
+    with open(log, "w") as handle:  # the child keeps its own descriptor
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, env=env)
-        running.append((process, handle, report, log))
-    sessions = []
-    while running:
-        for item in list(running):
-            process, handle, report, log = item
-            if process.poll() is None:
-                continue
+    return RunningLeg(leg, process, log, report)
+
+
+def run_pool(
+    legs: list[matrix_data.Leg], jobs: int, start: Callable[[matrix_data.Leg], RunningLeg], poll_seconds: float = 1.0
+) -> list[dict]:
+    """Runs every leg once, at most ``jobs`` at a time, each started in ``legs``' order as soon
+    as one before it ends (a queue, not fixed groups: a long leg never holds back a free core);
+    returns the sessions nox reported, in the order the legs ended."""
+    waiting, running, sessions = list(legs), [], []
+    while waiting or running:
+        while waiting and len(running) < max(1, jobs):
+            running.append(start(waiting.pop(0)))
+        ended = [item for item in running if item.poll() is not None]
+        for item in ended:
             running.remove(item)
-            handle.close()
-            print(f"\n{'-' * 30} {log.name} (exit {process.returncode}) {'-' * 30}\n{log.read_text()}", flush=True)
-            sessions += json.loads(report.read_text())["sessions"] if report.exists() else []
-        time.sleep(1)
+            sessions += item.finish()
+        if not ended:
+            time.sleep(poll_seconds)
     return sessions
 
 

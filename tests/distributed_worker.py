@@ -318,7 +318,7 @@ def worker(rank: int, out_dir: str, names: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def launch(out_dir: str, names: list[str], timeout: float = 300.0) -> list[dict[str, Any]]:
+def launch(out_dir: str, names: list[str], timeout: float = 600.0) -> list[dict[str, Any]]:
     """Runs the scenarios ``names`` in 2 spawned processes; returns each rank's results."""
     import torch.multiprocessing as mp
 

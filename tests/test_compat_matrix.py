@@ -25,19 +25,19 @@ from attn.compat import RELEASES
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load_matrix_module():
-    """compat/matrix.py, imported by path (compat/ is not a package of the distribution)."""
-    name = "attn_version_matrix"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "compat" / "matrix.py")
+@functools.cache
+def _load_compat_module(file: str):
+    """A script of compat/, imported by path (compat/ is not a package of the distribution;
+    run.py puts compat/ on sys.path for its own imports)."""
+    name = f"attn_compat_{Path(file).stem}"
+    spec = importlib.util.spec_from_file_location(name, REPO / "compat" / file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look the module up while the class is built
     spec.loader.exec_module(module)
     return module
 
 
-matrix_data = _load_matrix_module()
+matrix_data = _load_compat_module("matrix.py")
 MATRIX = matrix_data.load()
 FIXED = [leg for leg in MATRIX.legs if leg.fixed_version]
 
@@ -108,29 +108,50 @@ def test_readme_policy_table_matches_matrix() -> None:
     )
 
 
-@functools.cache
-def _load_runner_module():
-    """compat/run.py, imported by path (it puts compat/ on sys.path for its own imports)."""
-    spec = importlib.util.spec_from_file_location("attn_version_matrix_runner", REPO / "compat" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class FakeLeg:
+    """Stands in for a leg's nox process: it ends after ``polls`` polls."""
+
+    def __init__(self, leg, polls: int, log: dict) -> None:
+        self.leg, self.polls, self.log = leg, polls, log
+        log["running"].add(leg.name)
+        log["most"] = max(log["most"], len(log["running"]))
+        log["started"].append(leg.name)
+
+    def poll(self) -> int | None:
+        self.polls -= 1
+        return 0 if self.polls < 0 else None
+
+    def finish(self) -> list[dict]:
+        self.log["running"].remove(self.leg.name)
+        return [{"args": {"name": self.leg.name}, "result": "success"}]
 
 
 @given(
     picks=st.lists(st.sampled_from(MATRIX.legs), unique_by=lambda leg: leg.name, min_size=1),
     jobs=st.integers(1, 8),
+    durations=st.lists(st.integers(0, 5), min_size=len(MATRIX.legs), max_size=len(MATRIX.legs)),
 )
-def test_the_runner_splits_the_legs_into_at_most_jobs_groups_in_matrix_order(picks: list, jobs: int) -> None:
-    legs = sorted(picks, key=MATRIX.legs.index)
-    groups = _load_runner_module().split_legs(legs, jobs)
-    assert 1 <= len(groups) <= min(jobs, len(legs)) and all(groups)
-    assert sorted(leg.name for group in groups for leg in group) == sorted(leg.name for leg in legs)
-    assert all(group == sorted(group, key=legs.index) for group in groups)
+def test_the_runner_runs_every_leg_once_from_a_queue_at_most_jobs_at_a_time(
+    picks: list, jobs: int, durations: list[int]
+) -> None:
+    log: dict = {"running": set(), "most": 0, "started": []}
+    polls = dict(zip((leg.name for leg in MATRIX.legs), durations, strict=True))
+
+    def start(leg) -> FakeLeg:
+        # a leg starts only when a slot is free, and no slot stays free while legs wait
+        assert len(log["running"]) < jobs
+        return FakeLeg(leg, polls[leg.name], log)
+
+    sessions = _load_compat_module("run.py").run_pool(picks, jobs, start, poll_seconds=0)
+    assert log["started"] == [leg.name for leg in picks]  # in the queue's order
+    assert sorted(entry["args"]["name"] for entry in sessions) == sorted(leg.name for leg in picks)
+    assert log["most"] == min(jobs, len(picks)) and not log["running"]
 
 
-def test_two_jobs_balance_the_core_legs() -> None:
-    """With two processes, neither runs more than one core leg beyond the other."""
-    groups = _load_runner_module().split_legs(list(MATRIX.legs), 2)
-    core = [sum(leg.tests == "core" for leg in group) for group in groups]
-    assert len(groups) == 2 and abs(core[0] - core[1]) <= 1, [[leg.name for leg in group] for group in groups]
+def test_the_longest_legs_start_first() -> None:
+    """The queue's order: the core legs, then the short ones, so they fill the gaps at the end."""
+    runner = _load_compat_module("run.py")
+    order = sorted(MATRIX.legs, key=runner.leg_weight, reverse=True)
+    weights = [runner.leg_weight(leg) for leg in order]
+    assert all(leg.tests in ("core", "all") for leg in order[: sum(w >= 5 for w in weights)])
+    assert weights == sorted(weights, reverse=True) and weights[0] > weights[-1]

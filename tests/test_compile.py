@@ -57,7 +57,19 @@ def run_all_passes(model: torch.nn.Module, tokens: torch.Tensor, steps: int = 6)
     return out
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
+# Every decision here is explicit, so the policy cannot change a graph: the eager backend
+# counts the graphs under both policies; aot_eager (the costly compile, 10-25 s a matrix leg)
+# checks the functionalized results under the default one.
+@pytest.mark.parametrize(
+    ("policy", "backend"),
+    [
+        (CachePolicy.INFERENCE, "eager"),
+        (CachePolicy.FLAG, "eager"),
+        pytest.param(CachePolicy.INFERENCE, "aot_eager", marks=pytest.mark.slow),
+    ],
+    indirect=["policy"],
+    ids=["inference-eager", "flag-eager", "inference-aot_eager"],
+)
 def test_explicit_decisions_compile_fullgraph_once_per_kind_of_pass(backend: str, policy: CachePolicy) -> None:
     model = tiny_model(1)
     model.setup_caches(2, 32)
