@@ -34,7 +34,7 @@ import torch
 from attn.bench.check import Check, check_logits, check_tokens
 from attn.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS, Cell, CellContext, Contender, Generated
 from attn.bench.report import compiled_summary, format_table, write_json, write_plot
-from attn.bench.run import BenchResult, BenchSpec, Row, run_benchmark
+from attn.bench.run import BenchResult, BenchSpec, Row, machine_info, run_benchmark
 from attn.bench.targets import Targets
 from attn.decoder import DecoderConfig
 from attn.dtypes import DTYPES, short_name
@@ -304,16 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_compile_time(spec: BenchSpec) -> int:
     from attn.bench.compile_time import format_compile_times, measure_compile_times
-    from attn.bench.run import _machine
 
     results = measure_compile_times(spec)
-    print(format_compile_times(results, f"{_machine()['cpu']}, torch {torch.__version__}"))
+    print(format_compile_times(results, f"{machine_info()['cpu']}, torch {torch.__version__}"))
     return 1 if any(r.problem for r in results) else 0
 
 
 def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from attn.bench.measure import read_bandwidth
-    from attn.bench.run import _machine
     from attn.bench.workloads import WorkloadSpec, format_workloads, run_workloads
 
     try:
@@ -325,7 +323,7 @@ def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"unknown --dtype {args.dtype!r}; choose from {', '.join(_DTYPES)}")
     threads = (args.threads or [1])[0]
     bandwidth, _ = read_bandwidth(threads)
-    machine = f"{_machine()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, {short_name(dtype)}"
+    machine = f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, {short_name(dtype)}"
     results = run_workloads(
         WorkloadSpec(
             config,

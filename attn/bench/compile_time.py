@@ -24,7 +24,7 @@ import torch
 
 import attn
 from attn.bench.contenders import Cell, CellContext
-from attn.bench.run import BenchSpec, _cell_to_dict, cell_from_dict
+from attn.bench.run import BenchSpec, cell_from_dict, cell_to_dict
 from attn.fast_decode import compile_for_decode
 
 __all__ = ["CompileTime", "compile_probe", "format_compile_times", "measure_compile_times"]
@@ -63,7 +63,7 @@ def compile_probe(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float) -> dict[str, Any]:
-    payload = {"cell": _cell_to_dict(cell), "seed": spec.seed, "init_std": spec.init_std, "checkpoint": spec.checkpoint}
+    payload = {"cell": cell_to_dict(cell), "seed": spec.seed, "init_std": spec.init_std, "checkpoint": spec.checkpoint}
     command = [sys.executable, "-m", "attn.bench", "--compile-probe", json.dumps(payload)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)

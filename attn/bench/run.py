@@ -186,7 +186,7 @@ def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
     _, cache_bytes = bytes_per_step(cell.config, cell.dtype, cell.batch_size, cell.prompt_len + cell.new_tokens)
     return CellInfo(
         label=cell.label,
-        **_cell_to_dict(cell),
+        **cell_to_dict(cell),
         read_bandwidth_gb_s=bandwidth,
         read_bandwidth_samples=[median for median, _ in bandwidths],
         read_bandwidth_best_gb_s=max(best for _, best in bandwidths),
@@ -201,7 +201,7 @@ def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
 # -- memory probes ---------------------------------------------------------------------
 
 
-def _cell_to_dict(cell: Cell) -> dict[str, Any]:
+def cell_to_dict(cell: Cell) -> dict[str, Any]:
     """``cell``'s fields, JSON-ready: the config as a dict, the dtype by name."""
     fields = {name: getattr(cell, name) for name in cell.__dataclass_fields__}
     config = {name: getattr(cell.config, name) for name in cell.config.__dataclass_fields__}
@@ -242,7 +242,7 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_probe(cell: Cell, name: str, spec: BenchSpec, timeout: float = 1800.0) -> tuple[dict[str, Any] | None, str]:
     payload = {
-        "cell": _cell_to_dict(cell),
+        "cell": cell_to_dict(cell),
         "contender": name,
         "seed": spec.seed,
         "init_std": spec.init_std,
@@ -287,7 +287,7 @@ def _median_latencies(runs: list[Generated], prompt_len: int) -> tuple[list[int]
     return positions, latencies
 
 
-def _machine() -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -440,7 +440,7 @@ def run_benchmark(spec: BenchSpec) -> BenchResult:
     """Runs every cell of ``spec``; returns what it measured (nothing is printed to stdout)."""
     if spec.repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {spec.repeats}")
-    machine = _machine()
+    machine = machine_info()
     threads_before = torch.get_num_threads()
     result = BenchResult(machine=machine, cells=[], rows=[])
     try:
