@@ -18,17 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn
+from attn.bench.baseline import greedy_without_cache
 from attn.rope import RopeScaling
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-
-
-def no_cache_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
-    tokens = torch.tensor([prompt], device=DEVICE)
-    with torch.no_grad():
-        for _ in range(steps):
-            tokens = torch.cat((tokens, model(tokens)[:, -1:].argmax(-1)), 1)
-    return tokens[0, len(prompt) :].tolist()
 
 
 def sampled(model: attn.TransformerDecoder, prompts: list[list[int]]) -> attn.GenerationOutput:
@@ -59,7 +52,7 @@ def main() -> int:
         out = attn.generate(model, prompts, max_new_tokens=40)
         for row, prompt in enumerate(prompts):
             got = out.generated[row].tolist()
-            want = no_cache_greedy(model, prompt, 40)
+            want = greedy_without_cache(model, [prompt], max_new_tokens=40)[0, len(prompt) :].tolist()
             print(f"{name}: row {row} greedy == no-cache loop: {got == want}")
             if got != want:
                 problems.append(f"{name}: row {row} greedy tokens differ")
