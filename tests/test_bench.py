@@ -26,6 +26,7 @@ from attn.bench.contenders import (
     llama_cpp_available,
     transformers_available,
 )
+from attn.bench import run as run_module
 from attn.bench.run import BenchSpec, run_benchmark
 from attn.compat import CachePolicy
 from attn.rope import RopeScaling
@@ -105,6 +106,8 @@ def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(
         ('{"fastest": 1}', r"unknown keys \['fastest'\]"),
         ('{"share_of_limit": {"fp32": -1}}', r"share_of_limit must map names to positive numbers"),
         ('{"faster_than": "hf-static"}', r"faster_than must be a list of contender names"),
+        ('{"faster_than": ["llama-cpp"]}', r"\['llama-cpp'\] not contenders .* use names from .*'llama.cpp'"),
+        ('{"peak_rss_at_most": {"attn-compiled": 1.0}}', r"\['attn-compiled'\] not contenders"),
         ("{", r"cannot read a JSON object"),
     ],
 )
@@ -127,6 +130,7 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert len(samples) == 2 + 2  # before the warm-up, each of the 2 rounds, after the last
     assert cell["read_bandwidth_gb_s"] == pytest.approx((sorted(samples)[1] + sorted(samples)[2]) / 2)  # median
     assert cell["weight_bytes_per_step"] > 0 and cell["kv_bytes_per_step"] > 0
+    assert cell["probe_mb"] == 256  # a tiny model's step reads less than the smallest probe
     rows = {row["contender"]: row for row in result_json["rows"]}
     assert set(rows) == set(DEFAULT_CONTENDERS)  # every default contender ran, or said why not
     for name, row in rows.items():
@@ -151,6 +155,20 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert len(rows["attn-nocache"]["decode_tokens_per_s"]["values"]) == 1  # capped at one run
     if transformers_available():
         assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
+
+
+def test_probe_reads_at_least_what_a_step_reads() -> None:
+    # A SmolLM2-135M-shaped model: 30 layers, tied 49,152 x 576 embedding, 9/3 heads of 64.
+    config = attn.DecoderConfig(
+        vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9, num_kv_heads=3, hidden_dim=1536,
+        max_seq_len=2048, tie_embeddings=True,
+    )
+    layer = 576 * 576 * 2 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576  # q, o; k, v; gate, up, down; two norms
+    weights = (30 * layer + 576 + 49152 * 576 + 576) * 4  # layers, final norm, head, one embedding row; fp32
+    kv = 2 * 30 * 3 * 64 * (128 + 64) * 4  # keys and values of the mean context (prompt 128, half of 128 new)
+    cell = Cell("smollm2", config, torch.float32, 1, 1, 128, 128)
+    assert run_module.probe_megabytes(cell) == -(-(weights + kv) // 2**20)  # 522 MiB, more than a 256 MiB probe
+    assert run_module.probe_megabytes(tiny_cell()) == 256
 
 
 def test_llama_cpp_says_why_it_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ source, about 20 minutes on 2 cores; ``-DGGML_NATIVE=ON`` builds for this machin
 
 Example::
 
-    python -m attn bench                                # the four cells of issue 6
+    python -m attn bench                                # the four default cells (small fp32 b1 and b8, small bf16, base)
     python -m attn bench --config base --dtype fp32,bf16 --batch 1,8 --threads 1,2
     python -m attn bench --config tiny --repeats 1 --prompt-len 8 --new-tokens 8 --no-memory
     python -m attn bench --json bench.json --plot bench.png
@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
             "weights, with a correctness check of every contender."
         ),
         epilog=(
-            "Without --config/--dtype/--batch/--threads it runs the four cells of issue 6: "
+            "Without --config/--dtype/--batch/--threads it runs four cells: "
             + "; ".join(f"{c} {d} b{b} t{t}" for c, d, b, t in DEFAULT_CELLS)
             + ". With any of them, it runs every combination (defaults: small, fp32, 1, 1)."
         ),

@@ -87,11 +87,12 @@ def memory_info() -> str:
 
 def read_bandwidth(threads: int, *, megabytes: int = 256, repeats: int = 9) -> tuple[float, float]:
     """Memory read bandwidth in GB/s, ``(median, best)`` over passes of ``sum()`` over a buffer
-    far larger than the caches.
+    of ``megabytes`` MiB.
 
     Args:
         threads: torch intra-op threads to use (restored after).
-        megabytes: buffer size; at least several times the last-level cache.
+        megabytes: buffer size: the bytes a decode step reads (the bench's probe), so that a
+            last-level cache holds as much of it as it can of the weights, no more.
         repeats: timed passes.
     """
     before = torch.get_num_threads()

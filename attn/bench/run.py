@@ -96,6 +96,8 @@ class CellInfo:
     """Median over passes, measured before the warm-up, every round and after the last."""
     read_bandwidth_best_gb_s: float
     """The fastest single pass of all samples (an optimistic bound, for reference)."""
+    probe_mb: int
+    """Size of the probe's buffer in MiB (``probe_megabytes``)."""
     weight_bytes_per_step: int
     kv_bytes_per_step: int
     limit_tokens_per_s: float
@@ -179,10 +181,24 @@ def _param_mb(config: DecoderConfig, dtype: torch.dtype) -> float:
     return count * (torch.finfo(dtype).bits // 8) / 2**20
 
 
+def _step_bytes(cell: Cell) -> tuple[int, int]:
+    """``bytes_per_step`` of a mean decode step of the cell (its context half generated)."""
+    context = cell.prompt_len + cell.new_tokens / 2  # mean tokens attended by a decode step
+    return bytes_per_step(cell.config, cell.dtype, cell.batch_size, context)
+
+
+def probe_megabytes(cell: Cell) -> int:
+    """Size of the bandwidth probe's buffer: what a decode step reads, and at least 256 MiB.
+
+    A probe smaller than the weights can run partly from a last-level cache the weights do
+    not fit in (some of these machines report a 300 MiB L3), which would overstate the limit.
+    """
+    return max(256, -(-sum(_step_bytes(cell)) // 2**20))
+
+
 def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
     bandwidth = statistics.median(median for median, _ in bandwidths)
-    context = cell.prompt_len + cell.new_tokens / 2  # mean tokens attended by a decode step
-    weights, kv = bytes_per_step(cell.config, cell.dtype, cell.batch_size, context)
+    weights, kv = _step_bytes(cell)
     _, cache_bytes = bytes_per_step(cell.config, cell.dtype, cell.batch_size, cell.prompt_len + cell.new_tokens)
     return CellInfo(
         label=cell.label,
@@ -190,6 +206,7 @@ def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
         read_bandwidth_gb_s=bandwidth,
         read_bandwidth_samples=[median for median, _ in bandwidths],
         read_bandwidth_best_gb_s=max(best for _, best in bandwidths),
+        probe_mb=probe_megabytes(cell),
         weight_bytes_per_step=weights,
         kv_bytes_per_step=kv,
         limit_tokens_per_s=cell.batch_size * bandwidth * 1e9 / (weights + kv),
@@ -327,7 +344,8 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
     torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over from other cells
     torch.set_num_threads(cell.threads)
     _log(f"== {cell.label}: measuring read bandwidth")
-    bandwidths = [read_bandwidth(cell.threads)]  # (median, best) GB/s per sample
+    probe_mb = probe_megabytes(cell)
+    bandwidths = [read_bandwidth(cell.threads, megabytes=probe_mb)]  # (median, best) GB/s per sample
     ctx = CellContext(
         cell,
         seed=spec.seed,
@@ -374,7 +392,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
     runs: dict[str, list[Generated]] = {c.name: [] for c in active}
     for round_ in range(spec.repeats):
         order = active[round_ % len(active) :] + active[: round_ % len(active)] if active else []
-        bandwidths.append(read_bandwidth(cell.threads))
+        bandwidths.append(read_bandwidth(cell.threads, megabytes=probe_mb))
         for contender in order:
             cap = contender.max_repeats
             if cap is not None and len(runs[contender.name]) >= cap:
@@ -387,7 +405,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
             runs[contender.name].append(run)
 
     _log(f"== {cell.label}: measuring read bandwidth again")
-    bandwidths.append(read_bandwidth(cell.threads))
+    bandwidths.append(read_bandwidth(cell.threads, megabytes=probe_mb))
     info = cell_info(cell, bandwidths)
     hf_static = None
     for contender in active:

@@ -5,7 +5,7 @@ File format (every key optional)::
 
     {
       "share_of_limit": {"fp32": 0.90, "bf16": 0.75},   # least share of the memory-bound limit, by dtype
-      "faster_than": ["hf-static", "llama-cpp"],        # contenders it must out-decode, in every cell they ran
+      "faster_than": ["hf-static", "llama.cpp"],        # contenders it must out-decode, in every cell they ran
       "peak_rss_at_most": {"hf-static": 1.10}           # largest peak RSS ratio to these contenders
     }
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attn.bench.contenders import CONTENDERS
 from attn.bench.run import BenchResult, CellInfo, Row
 
 __all__ = ["Targets", "check_targets"]
@@ -51,6 +52,12 @@ class Targets:
                 raise ValueError(f"--targets {path}: {key} must map names to positive numbers, got {table!r}")
         if not isinstance(faster, list) or not all(isinstance(name, str) for name in faster):
             raise ValueError(f"--targets {path}: faster_than must be a list of contender names, got {faster!r}")
+        unknown = sorted((set(faster) | set(rss)) - (set(CONTENDERS) - {SUBJECT}))
+        if unknown:
+            raise ValueError(
+                f"--targets {path}: {unknown} not contenders attn-compiled is compared with; "
+                f"use names from {sorted(set(CONTENDERS) - {SUBJECT})}"
+            )
         return cls({k: float(v) for k, v in share.items()}, tuple(faster), {k: float(v) for k, v in rss.items()})
 
 
