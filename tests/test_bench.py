@@ -18,6 +18,7 @@ from attn import bench, compat
 from attn.bench.check import check_logits, check_tokens
 from attn.bench.contenders import (
     DEFAULT_CONTENDERS,
+    LLAMA_CPP_INSTALL,
     AttnEager,
     Cell,
     CellContext,
@@ -82,6 +83,7 @@ def result_json(bench_run: tuple[dict, str]) -> dict:
 
 
 @pytest.mark.slow  # a full command-line bench run, compile included (10 s)
+@pytest.mark.llama_cpp  # llama.cpp is one of the default contenders
 def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(bench_run: tuple[dict, str]) -> None:
     data, report = bench_run
     speeds = {r["contender"]: r["decode_tokens_per_s"]["median"] for r in data["rows"] if r["decode_tokens_per_s"]}
@@ -119,6 +121,7 @@ def test_bad_targets_file(tmp_path: Path, content: str, message: str) -> None:
 
 
 @pytest.mark.slow  # a full command-line bench run, compile included (10 s)
+@pytest.mark.llama_cpp  # llama.cpp is one of the default contenders
 def test_json_has_every_field(result_json: dict) -> None:
     assert {"machine", "cells", "rows", "notes"} <= set(result_json)
     assert {"torch", "cpu", "load_average_before", "load_average_after", "memory_measurement", "huge_pages"} <= set(
@@ -138,7 +141,7 @@ def test_json_has_every_field(result_json: dict) -> None:
             assert "transformers is not installed" in row["skipped"]
             continue
         if name == "llama.cpp" and not llama_cpp_available():
-            assert "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install" in row["skipped"]
+            assert f"llama-cpp-python is not installed ({LLAMA_CPP_INSTALL} builds it" in row["skipped"]
             continue
         assert row["skipped"] is None, row
         assert row["check_ok"] is True, row["check"]
@@ -198,7 +201,8 @@ LLAMA_CPP_CONFIGS = {
 }
 
 
-@pytest.mark.slow  # needs llama-cpp-python, a source build (pip install 'attn[llama-cpp]')
+@pytest.mark.slow
+@pytest.mark.llama_cpp  # needs llama-cpp-python, a source build (LLAMA_CPP_INSTALL)
 @pytest.mark.parametrize("fields", LLAMA_CPP_CONFIGS.values(), ids=LLAMA_CPP_CONFIGS.keys())
 def test_llama_cpp_generates_attns_greedy_tokens_and_logits(fields: dict) -> None:
     if not llama_cpp_available():
@@ -220,7 +224,8 @@ def test_llama_cpp_generates_attns_greedy_tokens_and_logits(fields: dict) -> Non
     assert torch.equal(again.tokens, got.tokens) and again.logits is None
 
 
-@pytest.mark.slow  # needs llama-cpp-python, a source build (pip install 'attn[llama-cpp]')
+@pytest.mark.slow
+@pytest.mark.llama_cpp  # needs llama-cpp-python, a source build (LLAMA_CPP_INSTALL)
 def test_llama_cpp_bf16_passes_the_logits_check() -> None:
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed: pip install 'attn[llama-cpp]' (builds from source)")

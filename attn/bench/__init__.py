@@ -8,9 +8,10 @@ limit measured on the spot. Peak memory is measured in a fresh process per conte
 
 llama.cpp (contender ``llama.cpp``, batch 1) runs when ``llama-cpp-python`` is installed, on
 the same weights written to a GGUF file, and says why it is skipped otherwise. It builds from
-source, about 20 minutes on 2 cores; ``-DGGML_NATIVE=ON`` builds for this machine's CPU::
+source (``attn.bench.contenders.LLAMA_CPP_INSTALL``: about 5 minutes on 2 cores, for this
+machine's CPU)::
 
-    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'attn[llama-cpp]'
+    CMAKE_ARGS='-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF' pip install 'attn[llama-cpp]'
 
 Example::
 
@@ -32,7 +33,15 @@ from pathlib import Path
 import torch
 
 from attn.bench.check import Check, check_logits, check_tokens
-from attn.bench.contenders import CONTENDERS, DEFAULT_CONTENDERS, Cell, CellContext, Contender, Generated
+from attn.bench.contenders import (
+    CONTENDERS,
+    DEFAULT_CONTENDERS,
+    LLAMA_CPP_INSTALL,
+    Cell,
+    CellContext,
+    Contender,
+    Generated,
+)
 from attn.bench.report import compiled_summary, format_table, write_json, write_plot
 from attn.bench.run import BenchResult, BenchSpec, Row, machine_info, run_benchmark
 from attn.bench.targets import Targets
@@ -97,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Decode speed of attn (eager, compiled, no cache) against transformers (static and "
             "dynamic cache) and llama.cpp (batch 1, when llama-cpp-python is installed: "
-            "CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'attn[llama-cpp]', a source build) with the same "
+            f"{LLAMA_CPP_INSTALL}, a source build) with the same "
             "weights, with a correctness check of every contender."
         ),
         epilog=(

@@ -10,9 +10,11 @@ token, decode tokens/s and latency per position. ``attn`` contenders go through
 copied from the ``attn`` model; ``llama.cpp`` through ``llama-cpp-python``'s ``Llama.eval``, one
 call per forward pass, on the ``attn`` model exported to GGUF (``attn.bench.gguf_export``).
 
-llama.cpp is optional: ``pip install 'attn[llama-cpp]'`` builds ``llama-cpp-python`` from
-source (about 20 minutes on 2 cores); ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` makes the build use
-every instruction set of the machine it is built on.
+llama.cpp is optional: ``LLAMA_CPP_INSTALL`` builds ``llama-cpp-python`` from source.
+``-DGGML_NATIVE=ON`` makes the build use every instruction set of the machine it is built on;
+``-DLLAVA_BUILD=OFF`` leaves out the multimodal library (``libmtmd``), which ``llama_cpp``
+loads only for image chat handlers. Built that way it took 5 minutes on a quiet 2-core Intel
+Xeon (torch 2.13 era, llama-cpp-python 0.3.36).
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ __all__ = [
     "CellContext",
     "Contender",
     "Generated",
+    "LLAMA_CPP_INSTALL",
     "make_contender",
 ]
+
+LLAMA_CPP_INSTALL = "CMAKE_ARGS='-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF' pip install 'attn[llama-cpp]'"
+"""How to install the llama.cpp contender: a source build for this machine's CPU, without the
+multimodal library (the module doc says why)."""
 
 
 @dataclass(frozen=True)
@@ -486,8 +493,8 @@ class LlamaCpp(Contender):
     def skip_reason(self, ctx: CellContext) -> str | None:
         if not llama_cpp_available():
             return (
-                "llama-cpp-python is not installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install 'attn[llama-cpp]' "
-                "builds it from source, about 20 minutes on 2 cores)"
+                f"llama-cpp-python is not installed ({LLAMA_CPP_INSTALL} builds it from source, about 5 "
+                "minutes on 2 cores)"
             )
         if ctx.cell.batch_size != 1:
             return f"batch {ctx.cell.batch_size}: llama-cpp-python's Llama holds one sequence, so only batch 1 runs"
