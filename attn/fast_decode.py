@@ -89,8 +89,12 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     barrier = _realize_barrier()
     if barrier is not None:
         rows = barrier(rows, (features, 1))  # computed once, not once per weight row; no-op in eager
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+        if barrier is not None:  # widened once too: the loop over weight rows converts only the weight
+            rows = barrier(rows, (features, 1))
     wide = weight.float()  # (n, e)
-    out = torch.stack([(wide * rows[i].float()).sum(-1) for i in range(rows.shape[0])])  # (m, n)
+    out = torch.stack([(wide * rows[i]).sum(-1) for i in range(rows.shape[0])])  # (m, n)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., n)
@@ -126,14 +130,20 @@ def decode_attention(
     group = h // h_kv
     scale = d**-0.5 if scale is None else scale
     qf = q.float().reshape(b, h_kv, group * s, 1, d) * scale  # (b, h_kv, g*s, 1, d)
+    barrier = _realize_barrier()
+    if barrier is not None:  # once, not once per key slot (its RoPE would be inlined into the loop)
+        qf = barrier(qf, qf.stride())
     scores = (qf * k.float()[:, :, None]).sum(-1)  # (b, h_kv, g*s, L)
     if attn_mask is not None:
         allowed = attn_mask.expand(b, h, s, length).reshape(b, h_kv, group * s, length)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = scores.softmax(-1)  # (b, h_kv, g*s, L)
-    if attn_mask is not None:
-        probs = probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)  # fully masked: zeros, not NaN
-    out = (probs[..., None] * v.float()[:, :, None]).sum(-2)  # (b, h_kv, g*s, d)
+    # Softmax with the division after the sum over values (once per output, not per slot).
+    peak = scores.amax(-1, keepdim=True)  # (b, h_kv, g*s, 1)
+    peak = peak.masked_fill(peak == float("-inf"), 0.0)  # fully masked: every weight exp(-inf) = 0
+    weights = (scores - peak).exp()  # (b, h_kv, g*s, L)
+    total = weights.sum(-1, keepdim=True)  # >= 1 (the peak's exp(0)), or 0 where fully masked
+    out = (weights[..., None] * v.float()[:, :, None]).sum(-2)  # (b, h_kv, g*s, d)
+    out = out / total.clamp_min(torch.finfo(torch.float32).tiny)  # fully masked: 0 / tiny, zeros
     return out.reshape(b, h, s, d).to(q.dtype)
 
 
@@ -230,7 +240,10 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tupl
 # guards already check every input's sizes and strides before the graph runs. The asserts
 # repeat that per decoder layer call (17 inputs each): 0.6-0.9 ms of a 30-layer step's 2-3 ms
 # of Python overhead, measured on a 30-layer model too small for its kernels to matter.
-_INDUCTOR_OPTIONS = {"size_asserts": False}
+# Precision casts emulated: a bf16 intermediate is rounded to bf16 where eager code rounds it
+# (inductor would otherwise keep some in fp32, such as a norm's output read by the next linear),
+# so a bf16 step stays within bf16 rounding of eager's (tests/test_fast_decode.py).
+_INDUCTOR_OPTIONS = {"size_asserts": False, "emulate_precision_casts": True}
 
 
 def _double_pumped_avx512() -> bool:

@@ -211,6 +211,30 @@ def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
         assert model.kv_caches()[0].size == 0
 
 
+@pytest.mark.slow  # a bf16 graph of its own
+def test_bf16_step_rounds_where_eager_rounds() -> None:
+    """bf16: the compiled step rounds each bf16 intermediate as eager does (inductor would keep
+    some in fp32), so its logits, teacher-forced on the same tokens, stay within a few bf16
+    steps of eager's, not only its argmax."""
+    model = tiny_model(14).to(torch.bfloat16)
+    fast = compile_for_decode(model)
+    tokens = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(1, 16)
+
+    def logits_of(step: torch.nn.Module) -> torch.Tensor:
+        model.reset_caches()
+        with torch.inference_mode():
+            out = [model(tokens[:, :4])[:, -1]]  # prefill in eager code for both
+            out += [step(tokens[:, i : i + 1])[:, -1] for i in range(4, 14)]
+        return torch.stack(out).float()  # (11, 1, v)
+
+    expected, got = logits_of(model), logits_of(fast)
+    assert fast.stats.graphs == 1 and fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
+    scale = expected.abs().max().item()
+    worst = (got - expected).abs().max().item()
+    assert worst <= 2**-6 * scale, f"largest logit difference {worst:.4f} against {scale:.2f} the largest logit"
+
+
 def test_bad_arguments() -> None:
     model = tiny_model(12)
     with pytest.raises(ValueError, match="max_rows must be a non-negative int"):
