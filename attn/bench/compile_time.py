@@ -6,6 +6,12 @@ the first compiles from nothing (cold), the second finds inductor's on-disk cach
 user's second run of the same script would. Each builds the cell's model, compiles it for
 decode and times its first ``attn.generate`` (an eager prefill, then the compiled step for one
 more token): the wall time, and the share spent in inductor.
+
+Before that, each process times inductor's own setup, apart: the first inductor compile in a
+cache folder probes which vector instruction sets the C++ compiler can build (a test program
+each) and the first on a machine builds a precompiled header, whatever the model. On a 2-core
+Intel Xeon that is 10-16 s, paid once per machine and torch release, and it would otherwise
+land in the cold figure or not depending on what ran on the machine before.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from attn.bench.contenders import Cell, CellContext
 from attn.bench.run import BenchSpec, cell_from_dict, cell_to_dict
 from attn.fast_decode import compile_for_decode
 
-__all__ = ["CompileTime", "compile_probe", "format_compile_times", "measure_compile_times"]
+__all__ = ["CompileTime", "compile_probe", "format_compile_times", "inductor_setup", "measure_compile_times"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ class CompileTime:
     """One cell's first generation through ``compile_for_decode``, cold and warm.
 
     Attributes:
+        setup_s: (cold, warm) seconds of inductor's own setup before the model
+            (``inductor_setup``).
         first_generate_s: (cold, warm) wall seconds of the first ``attn.generate``.
         inductor_s: (cold, warm) seconds of it in inductor (``DecodeCompileStats.compile_seconds``).
         regions: 1 where one decoder layer was compiled for every layer, else 0.
@@ -43,23 +51,39 @@ class CompileTime:
 
     cell: str
     layers: int
+    setup_s: tuple[float, float] | None = None
     first_generate_s: tuple[float, float] | None = None
     inductor_s: tuple[float, float] | None = None
     regions: int = 0
     problem: str | None = None
 
 
+def inductor_setup() -> float:
+    """Seconds of inductor's work that no model causes: a trivial compile, in a fresh process,
+    runs its vector ISA probes and builds its precompiled header where they are not cached."""
+    start = time.perf_counter()
+    torch.compile(lambda x: x * 2.0 + 1.0, backend="inductor", fullgraph=True)(torch.ones(64))
+    return time.perf_counter() - start
+
+
 def compile_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process: the first generation through ``compile_for_decode``."""
+    """Runs in a fresh process: inductor's setup, then the first generation through
+    ``compile_for_decode``."""
     warnings.simplefilter("ignore")
     cell = cell_from_dict(spec["cell"])
     torch.set_num_threads(cell.threads)
+    setup = inductor_setup()
     ctx = CellContext(cell, seed=spec["seed"], init_std=spec["init_std"], checkpoint=spec.get("checkpoint"))
     fast = compile_for_decode(ctx.model, max_rows=cell.batch_size)
     start = time.perf_counter()
     attn.generate(fast, ctx.prompts, max_new_tokens=2)
     seconds = time.perf_counter() - start
-    return {"first_generate_s": seconds, "inductor_s": fast.stats.compile_seconds, "regions": fast.stats.regions}
+    return {
+        "setup_s": setup,
+        "first_generate_s": seconds,
+        "inductor_s": fast.stats.compile_seconds,
+        "regions": fast.stats.regions,
+    }
 
 
 def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float) -> dict[str, Any]:
@@ -89,6 +113,7 @@ def measure_compile_times(spec: BenchSpec, timeout: float = 1800.0) -> list[Comp
             CompileTime(
                 cell.label,
                 layers,
+                setup_s=(cold["setup_s"], warm["setup_s"]),
                 first_generate_s=(cold["first_generate_s"], warm["first_generate_s"]),
                 inductor_s=(cold["inductor_s"], warm["inductor_s"]),
                 regions=warm["regions"],
@@ -100,15 +125,17 @@ def measure_compile_times(spec: BenchSpec, timeout: float = 1800.0) -> list[Comp
 def format_compile_times(results: list[CompileTime], machine: str) -> str:
     """A plain-text table: one line per cell, cold and warm."""
     lines = [
-        f"compile_for_decode before the first token ({machine}); seconds, first generate (in inductor)",
-        f"  {'cell':<28} {'layers':>6}  {'cold':>16}  {'warm':>16}  layers compiled",
+        f"compile_for_decode before the first token ({machine}); seconds, first generate (in inductor), "
+        "after inductor's own setup (once per machine and torch release: ISA probes, precompiled header)",
+        f"  {'cell':<28} {'layers':>6}  {'setup cold/warm':>15}  {'cold':>16}  {'warm':>16}  layers compiled",
     ]
     for r in results:
-        if r.first_generate_s is None or r.inductor_s is None:
+        if r.first_generate_s is None or r.inductor_s is None or r.setup_s is None:
             lines.append(f"  {r.cell:<28} {r.layers:>6}  not measured: {r.problem}")
             continue
+        setup = f"{r.setup_s[0]:.1f} / {r.setup_s[1]:.1f}"
         pairs = zip(r.first_generate_s, r.inductor_s, strict=True)
         cold, warm = (f"{total:6.1f} ({inductor:5.1f})" for total, inductor in pairs)
         compiled = "one, for every layer" if r.regions else "every layer"
-        lines.append(f"  {r.cell:<28} {r.layers:>6}  {cold:>16}  {warm:>16}  {compiled}")
+        lines.append(f"  {r.cell:<28} {r.layers:>6}  {setup:>15}  {cold:>16}  {warm:>16}  {compiled}")
     return "\n".join(lines)
