@@ -31,6 +31,16 @@ What it does not do, on purpose:
 - no compiled prefill: the prompt runs in eager code (a matrix-matrix product, where the
   stock kernels are good), so prompts of any length never recompile anything.
 
+Cache length: the first graph is compiled for the cache length (L) it first sees, with
+static shapes, the cheapest to compile. When a second length comes (``attn.generate`` sizes
+its own caches to each generation, in steps of 64 slots), the step compiles one more graph
+with L as a symbol, and no later length recompiles (up to 4096 slots; longer caches get one
+graph of their own, where inductor changes its reduction scheme). The symbolic graph
+compiles slower: a 30-layer SmolLM2-shaped model, fp32, on a 2-core Intel Xeon in a slow
+hour (read bandwidth 5 GB/s), spent 24-32 s in inductor against 10 s for the static graph,
+and decoded at the same speed within that hour's noise (119-138 against 124-140 ms a
+token). Set the caches up once (``model.setup_caches``) to keep to one graph.
+
 Example::
 
     fast = attn.compile_for_decode(model)
@@ -41,8 +51,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn import compat
+from attn.kv_cache import KVCache
 
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
 
@@ -193,7 +208,7 @@ class DecodeCompileStats:
 
     graphs: int = 0
     """Graphs compiled so far: 1 after the first decode step; more means a recompile (a new
-    batch size, cache length, dtype or cache policy)."""
+    batch size, dtype or cache policy, or the second cache length: see the module doc)."""
     regions: int = 0
     """Subgraphs compiled once and called many times, over all graphs: 1 a graph where the
     release compiles one decoder layer for every layer (``attn.compat.compile_regions_supported()``),
@@ -207,6 +222,10 @@ class DecodeCompileStats:
     """Wall time spent in inductor, over all graphs."""
     vector_bits: int | None = None
     """SIMD width the last graph was compiled with (``None``: inductor's choice)."""
+    dynamic_cache_length: bool = False
+    """The step has seen a second cache length and compiles with the length as a symbol:
+    one more graph, then none for any later length (up to 4096 slots: inductor picks
+    another reduction scheme past that, a graph of its own)."""
 
 
 def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tuple[int, torch.dtype]]:
@@ -236,14 +255,58 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tupl
     return rewritten
 
 
-# No size asserts in the generated wrapper: the step compiles with static shapes, so dynamo's
-# guards already check every input's sizes and strides before the graph runs. The asserts
+# No size asserts in the generated wrapper: dynamo's guards already check every input's sizes
+# and strides before the graph runs (the symbolic cache length's relations included). The asserts
 # repeat that per decoder layer call (17 inputs each): 0.6-0.9 ms of a 30-layer step's 2-3 ms
 # of Python overhead, measured on a 30-layer model too small for its kernels to matter.
-# Precision casts emulated: a bf16 intermediate is rounded to bf16 where eager code rounds it
-# (inductor would otherwise keep some in fp32, such as a norm's output read by the next linear),
-# so a bf16 step stays within bf16 rounding of eager's (tests/test_fast_decode.py).
-_INDUCTOR_OPTIONS = {"size_asserts": False, "emulate_precision_casts": True}
+_INDUCTOR_OPTIONS = {"size_asserts": False}
+
+
+@functools.cache
+def _precision_casts_emulated() -> bool:
+    """Can inductor's CPU code round each bf16 intermediate where eager code rounds it?
+
+    With ``emulate_precision_casts`` it does (otherwise it keeps some in fp32, such as a
+    norm's output read by the next linear), so a bf16 step stays within bf16 rounding of
+    eager's (tests/test_fast_decode.py). Through torch 2.8 the vectorized cast misspells
+    the argument the option passes (``use_compute_dtypes``) and a bf16 step fails to
+    compile; read from the signature, not a version number.
+    """
+    try:
+        from torch._inductor.codegen.cpp import CppVecOverrides
+    except ImportError:  # pragma: no cover - every supported release has it
+        return False
+    return "use_compute_types" in inspect.signature(CppVecOverrides.to_dtype).parameters
+
+
+@functools.cache
+def _cacheable_rewrites() -> dict[str, str]:
+    """The rewrite's functions by name, each with a key: a hash of this file.
+
+    AOTAutograd's on-disk cache, which lets a warm compile skip tracing the graph again,
+    refuses a graph that calls a function it does not know (``rowwise_linear``,
+    ``decode_attention``), since a changed function would not change its key. Inductor's
+    ``unsafe_marked_cacheable_functions`` lets it in, keyed by the given string: a hash of
+    the file that defines both, so any change to the rewrite makes a new key.
+    """
+    key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return {f"{fn.__module__}.{fn.__name__}": key for fn in (rowwise_linear, decode_attention)}
+
+
+def _inductor_options(vector_bits: int | None) -> dict[str, Any]:
+    """``_INDUCTOR_OPTIONS``, the SIMD width, bf16 rounding as eager's and the rewrite's
+    functions marked cacheable where the release can (see each)."""
+    from torch._inductor import config as inductor_config
+
+    options: dict[str, Any] = dict(_INDUCTOR_OPTIONS)
+    if _precision_casts_emulated():
+        options["emulate_precision_casts"] = True
+    if vector_bits is not None:
+        options["cpp.simdlen"] = vector_bits
+    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):
+        options["unsafe_marked_cacheable_functions"] = marked | _cacheable_rewrites()
+    return options
 
 
 def _double_pumped_avx512() -> bool:
@@ -270,6 +333,26 @@ def _vector_bits(rewritten: list[tuple[int, torch.dtype]], requested: int | None
     return None
 
 
+def _mark_cache_length_dynamic(caches: list[KVCache], mask: torch.Tensor | None) -> None:
+    """Tells dynamo that the cache length (L) varies, so that one graph serves every length.
+
+    The key/value buffers' slot dim, and a mask's last dim where it has one entry per slot,
+    become symbols; every other size stays static (the linears are rewritten for a fixed
+    number of rows). ``maybe_mark_dynamic``: where a model's code needs one fixed length
+    after all, dynamo specializes rather than fails (a test counts the graphs).
+    """
+    for cache in caches:
+        for buffer in (cache.k_cache, cache.v_cache):
+            torch._dynamo.maybe_mark_dynamic(buffer, 2)
+    if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-1] == caches[0].max_seq_len:
+        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+
+
+# Graphs one model's step may compile besides those already compiled in the process: batch
+# sizes, dtypes and cache policies times the two cache-length forms. Dynamo's own default.
+_GRAPHS_PER_STEP = 8
+
+
 class DecodeCompiled(nn.Module):
     """A ``TransformerDecoder`` whose one-token passes run a compiled, bandwidth-bound step.
 
@@ -280,6 +363,10 @@ class DecodeCompiled(nn.Module):
     Build it with ``attn.compile_for_decode``.
     """
 
+    graphs_in_process: int = 0
+    """Graphs compiled by every ``DecodeCompiled`` of this process: dynamo counts them all
+    against one recompile limit, which each step call raises past this many."""
+
     def __init__(
         self, model: nn.Module, *, max_rows: int, rewrite: bool = True, vector_bits: int | None = None
     ) -> None:
@@ -289,9 +376,11 @@ class DecodeCompiled(nn.Module):
         self.rewrite = rewrite
         self.vector_bits = vector_bits
         self.stats = DecodeCompileStats()
+        self._cache_lengths: set[int] = set()  # cache lengths (L) the step has run with
         # Not a submodule: the wrapped model is registered once, as ``model``. Static shapes: a
-        # new batch size or cache length compiles a graph of its own, with its linears rewritten
-        # for that many rows (a graph with symbolic sizes would keep the BLAS kernel).
+        # new batch size compiles a graph of its own, with its linears rewritten for that many
+        # rows (a graph with a symbolic batch would keep the BLAS kernel). The cache length
+        # alone turns symbolic, from its second value on (``_mark_cache_length_dynamic``).
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=self._backend)
         object.__setattr__(self, "_step", step)
 
@@ -310,6 +399,7 @@ class DecodeCompiled(nn.Module):
 
         start = time.perf_counter()
         self.stats.graphs += 1
+        DecodeCompiled.graphs_in_process += 1
         rewritten = []
         graphs = [module for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
         self.stats.regions += len(graphs) - 1  # a decoder layer's region: one subgraph for every layer
@@ -319,7 +409,7 @@ class DecodeCompiled(nn.Module):
                 self.stats.attention_rewritten += _rewrite_decode_attention(graph, self.max_rows)
             self.stats.linears_rewritten += len(rewritten)
         bits = self.stats.vector_bits = _vector_bits(rewritten, self.vector_bits)
-        with inductor_config.patch(_INDUCTOR_OPTIONS | ({} if bits is None else {"cpp.simdlen": bits})):
+        with inductor_config.patch(_inductor_options(bits)):
             compiled = compile_fx(gm, example_inputs)
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
@@ -339,8 +429,14 @@ class DecodeCompiled(nn.Module):
             use_cache = self.model.uses_cache(1)
         if use_cache and not checked:
             self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
+        if use_cache:
+            self._cache_lengths.add(self.model.kv_caches()[0].max_seq_len)
+            if len(self._cache_lengths) > 1:  # a second length: from now on one graph for every length
+                self.stats.dynamic_cache_length = True
+                _mark_cache_length_dynamic(self.model.kv_caches(), kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
-        with compat.compile_regions():  # one decoder layer compiled for all (where the release can)
+        graphs = DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP
+        with compat.compile_regions(), compat.dynamic_buffer_shapes(), compat.recompile_limit_at_least(graphs):
             return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
 
 
@@ -350,10 +446,10 @@ def compile_for_decode(
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
     The step compiles on its first call (seconds to tens of seconds on two cores: the module
-    doc has figures) and once per new batch size, cache length or dtype after that; decode through
-    ``attn.generate`` compiles once for a whole generation. Set up the caches once
-    (``model.setup_caches``) to share one compiled step between generations of different
-    lengths. The cache decision runs in eager code before the step, so a plain
+    doc has figures) and once per new batch size or dtype after that; decode through
+    ``attn.generate`` compiles once for a whole generation. Generations of other lengths
+    compile one more graph between them, with the cache length as a symbol (the module doc
+    has the cost); set up the caches once (``model.setup_caches``) to keep to one. The cache decision runs in eager code before the step, so a plain
     ``torch.inference_mode()`` decode loop drives it exactly as it drives the model.
 
     Args:

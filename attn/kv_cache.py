@@ -53,9 +53,7 @@ class KVCache(nn.Module):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
-        self.batch_size = batch_size
         self.num_kv_heads = num_kv_heads
-        self.max_seq_len = max_seq_len
         self.head_dim = head_dim
         self.torn_down = False
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
@@ -68,6 +66,18 @@ class KVCache(nn.Module):
             # Tokens the latest update wrote (0 after a reset): a multi-token inference-mode
             # pass after a single-token one is scoring after a generation (attn.policy warns).
             self.register_buffer("last_write", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds (b): the buffers' first dim."""
+        return self.k_cache.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Capacity in tokens (L): the buffers' third dim. Read from the shape, not kept as a
+        number of its own, so a compiled step that marks that dim dynamic
+        (``attn.compile_for_decode``) serves caches of every length with one graph."""
+        return self.k_cache.shape[2]
 
     @property
     def size(self) -> int:
@@ -213,7 +223,6 @@ class KVCache(nn.Module):
         with torch.inference_mode(False):  # fresh buffers are normal tensors, as in __init__
             self.k_cache = self.k_cache[index.long()]
             self.v_cache = self.v_cache[index.long()]
-        self.batch_size = index.numel()
 
     def reset(self) -> None:
         """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""

@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 import attn
 from attn import compat
-from attn.fast_decode import DecodeCompiled, compile_for_decode, decode_attention, rowwise_linear
+from attn.fast_decode import (
+    DecodeCompiled,
+    _precision_casts_emulated,
+    compile_for_decode,
+    decode_attention,
+    rowwise_linear,
+)
+from attn.generation import CACHE_SLOTS_STEP
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -232,7 +239,10 @@ def test_bf16_step_rounds_where_eager_rounds() -> None:
     assert fast.stats.graphs == 1 and fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
     scale = expected.abs().max().item()
     worst = (got - expected).abs().max().item()
-    assert worst <= 2**-6 * scale, f"largest logit difference {worst:.4f} against {scale:.2f} the largest logit"
+    # Without the option (torch <= 2.8) a norm's output reaches the next linear unrounded:
+    # 0.074-0.078 against 4.16 measured, where rounding as eager does gives 0.055.
+    bound = 2**-6 if _precision_casts_emulated() else 2**-5
+    assert worst <= bound * scale, f"largest logit difference {worst:.4f} against {scale:.2f} the largest logit"
 
 
 def test_bad_arguments() -> None:
@@ -255,3 +265,55 @@ def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -
         assert torch.equal(got.tokens, attn.generate(model, prompts, max_new_tokens=5).tokens)
     assert fast.stats.graphs == 2, fast.stats
     assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)
+
+
+@pytest.mark.slow  # two graphs of its own
+def test_a_second_cache_length_compiles_one_graph_for_every_later_length() -> None:
+    """generate sizes its own caches to each generation (multiples of 64 slots): the first
+    length compiles a static graph, the second one graph with the length as a symbol, and
+    no later length, longer or shorter, compiles anything; tokens equal eager's throughout."""
+    model = tiny_model(18, max_seq_len=256)
+    fast = compile_for_decode(model)
+    lengths = []
+    for new_tokens in (10, 70, 130, 40, 10):
+        got = attn.generate(fast, PROMPTS, max_new_tokens=new_tokens)
+        lengths.append(-(-(len(PROMPTS[0]) + new_tokens) // CACHE_SLOTS_STEP) * CACHE_SLOTS_STEP)  # generate's caches
+        assert torch.equal(got.tokens, attn.generate(model, PROMPTS, max_new_tokens=new_tokens).tokens)
+        assert fast.stats.graphs == (1 if len(set(lengths)) == 1 else 2), (lengths, fast.stats)
+    assert lengths == [64, 128, 192, 64, 64] and fast.stats.dynamic_cache_length
+    assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)  # symbolic length, rewritten all the same
+    assert fast.stats.attention_rewritten == 2 * _layers_compiled(model)
+
+
+@pytest.mark.slow  # a graph of its own
+def test_the_step_is_cacheable_on_disk_where_the_release_allows() -> None:
+    """AOTAutograd's cache refuses a graph that calls unknown functions (the rewrite's), so
+    every warm compile would trace it again; ``unsafe_marked_cacheable_functions`` (from
+    torch 2.8) admits them, keyed by a hash of fast_decode.py."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    before = dict(counters["aot_autograd"])
+    model = tiny_model(19)
+    fast = compile_for_decode(model)
+    attn.generate(fast, PROMPTS, max_new_tokens=3)
+    delta = {key: counters["aot_autograd"][key] - before.get(key, 0) for key in counters["aot_autograd"]}
+    assert fast.stats.graphs == 1
+    if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+        assert delta.get("autograd_cache_bypass", 0) == 0, delta
+        assert delta.get("autograd_cache_hit", 0) + delta.get("autograd_cache_miss", 0) == 1, delta
+    else:  # the release cannot be told: a warm compile traces the graph again
+        assert delta.get("autograd_cache_hit", 0) == 0, delta
+
+
+@pytest.mark.slow  # nine small graphs
+def test_more_models_than_dynamos_recompile_limit_each_compile_their_step() -> None:
+    """Every model's step is another graph of one function, and dynamo refuses a ninth
+    (``fullgraph``: an error, not a slow fallback) unless the step raises its limit."""
+    for seed in range(9):
+        model = tiny_model(seed)
+        fast = compile_for_decode(model)
+        got = attn.generate(fast, PROMPTS, max_new_tokens=3)
+        assert torch.equal(got.tokens, attn.generate(model, PROMPTS, max_new_tokens=3).tokens)
+        assert fast.stats.graphs == 1
+    assert DecodeCompiled.graphs_in_process >= 9

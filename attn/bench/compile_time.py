@@ -10,8 +10,9 @@ more token): the wall time, and the share spent in inductor.
 Before that, each process times inductor's own setup, apart: the first inductor compile in a
 cache folder probes which vector instruction sets the C++ compiler can build (a test program
 each) and the first on a machine builds a precompiled header, whatever the model. On a 2-core
-Intel Xeon that is 10-16 s, paid once per machine and torch release, and it would otherwise
-land in the cold figure or not depending on what ran on the machine before.
+Intel Xeon that measured 16.5-18 s, paid once per machine and torch release, and it would
+otherwise land in the cold figure or not depending on what ran on the machine before. Every
+process also pays about 3-4 s of it again (inductor runs each probe program once a process).
 """
 
 from __future__ import annotations
