@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,6 +349,29 @@ def _mark_cache_length_dynamic(caches: list[KVCache], mask: torch.Tensor | None)
         torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
 
 
+def _start_inductor_setup() -> threading.Thread:
+    """Starts inductor's own per-process setup in a thread, and returns it.
+
+    Before its first compile in a process inductor checks which vector instruction sets the
+    C++ compiler can target: per set, a probe program (built once per cache folder) and a
+    child process that loads it, about 2.5 s on a 2-core Intel Xeon with the probes built.
+    Those are waits on other processes, so run here they overlap dynamo's tracing of the
+    step, which comes first; the step's compile joins the thread before it starts.
+    """
+
+    def probe() -> None:
+        try:
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+            valid_vec_isa_list()  # cached for the process: inductor's later call returns at once
+        except Exception:  # noqa: BLE001 - only a head start: inductor probes again and reports
+            pass
+
+    thread = threading.Thread(target=probe, name="attn-inductor-setup", daemon=True)
+    thread.start()
+    return thread
+
+
 # Graphs one model's step may compile besides those already compiled in the process: batch
 # sizes, dtypes and cache policies times the two cache-length forms. Dynamo's own default.
 _GRAPHS_PER_STEP = 8
@@ -383,6 +407,7 @@ class DecodeCompiled(nn.Module):
         # alone turns symbolic, from its second value on (``_mark_cache_length_dynamic``).
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=self._backend)
         object.__setattr__(self, "_step", step)
+        object.__setattr__(self, "_inductor_setup", _start_inductor_setup())
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -398,6 +423,7 @@ class DecodeCompiled(nn.Module):
         from torch._inductor.compile_fx import compile_fx
 
         start = time.perf_counter()
+        self._inductor_setup.join()  # the probes started in __init__, done during dynamo's trace
         self.stats.graphs += 1
         DecodeCompiled.graphs_in_process += 1
         rewritten = []

@@ -173,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "instead of decode speed: seconds before the first token through attn.compile_for_decode, cold "
-            "(a new inductor cache) and warm (inductor's on-disk cache), each in a fresh process, per cell"
+            "(a new inductor cache), warm (inductor's on-disk cache) and warm as a script runs (no setup "
+            "timed apart), each in a fresh process, per cell"
         ),
     )
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one probe, in a fresh process

@@ -1,7 +1,7 @@
 """``python -m attn bench --compile-time``: how long ``attn.compile_for_decode`` keeps a user
 waiting before the first token, cold and warm.
 
-Per cell, two fresh processes share one new inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``):
+Per cell, fresh processes share one new inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``):
 the first compiles from nothing (cold), the second finds inductor's on-disk cache (warm), as a
 user's second run of the same script would. Each builds the cell's model, compiles it for
 decode and times its first ``attn.generate`` (an eager prefill, then the compiled step for one
@@ -13,6 +13,10 @@ each) and the first on a machine builds a precompiled header, whatever the model
 Intel Xeon that measured 16.5-18 s, paid once per machine and torch release, and it would
 otherwise land in the cold figure or not depending on what ran on the machine before. Every
 process also pays about 3-4 s of it again (inductor runs each probe program once a process).
+
+A third process, warm, times no setup apart ("warm as run"): from ``compile_for_decode`` to
+the tokens, as a user's second run waits, the per-process probes included (the step starts
+them in a thread of their own, beside dynamo's trace).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class CompileTime:
             (``inductor_setup``).
         first_generate_s: (cold, warm) wall seconds of the first ``attn.generate``.
         inductor_s: (cold, warm) seconds of it in inductor (``DecodeCompileStats.compile_seconds``).
+        warm_as_run_s: a third process, warm, with no setup timed apart: what a user's second
+            run waits from ``compile_for_decode`` to its tokens, the per-process part of
+            inductor's setup included (``compile_for_decode`` starts it beside dynamo's trace).
         regions: 1 where one decoder layer was compiled for every layer, else 0.
         problem: why the cell was not measured, or ``None``.
     """
@@ -55,6 +62,7 @@ class CompileTime:
     setup_s: tuple[float, float] | None = None
     first_generate_s: tuple[float, float] | None = None
     inductor_s: tuple[float, float] | None = None
+    warm_as_run_s: float | None = None
     regions: int = 0
     problem: str | None = None
 
@@ -68,15 +76,15 @@ def inductor_setup() -> float:
 
 
 def compile_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process: inductor's setup, then the first generation through
-    ``compile_for_decode``."""
+    """Runs in a fresh process: inductor's setup (unless ``spec["setup_apart"]`` is false),
+    then ``compile_for_decode`` and the first generation through it."""
     warnings.simplefilter("ignore")
     cell = cell_from_dict(spec["cell"])
     torch.set_num_threads(cell.threads)
-    setup = inductor_setup()
+    setup = inductor_setup() if spec.get("setup_apart", True) else None
     ctx = CellContext(cell, seed=spec["seed"], init_std=spec["init_std"], checkpoint=spec.get("checkpoint"))
-    fast = compile_for_decode(ctx.model, max_rows=cell.batch_size)
     start = time.perf_counter()
+    fast = compile_for_decode(ctx.model, max_rows=cell.batch_size)
     attn.generate(fast, ctx.prompts, max_new_tokens=2)
     seconds = time.perf_counter() - start
     return {
@@ -87,8 +95,14 @@ def compile_probe(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float) -> dict[str, Any]:
-    payload = {"cell": cell_to_dict(cell), "seed": spec.seed, "init_std": spec.init_std, "checkpoint": spec.checkpoint}
+def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float, *, setup_apart: bool) -> dict[str, Any]:
+    payload = {
+        "cell": cell_to_dict(cell),
+        "seed": spec.seed,
+        "init_std": spec.init_std,
+        "checkpoint": spec.checkpoint,
+        "setup_apart": setup_apart,
+    }
     command = [sys.executable, "-m", "attn.bench", "--compile-probe", json.dumps(payload)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
@@ -100,13 +114,16 @@ def _probe(cell: Cell, spec: BenchSpec, cache_dir: str, timeout: float) -> dict[
 
 
 def measure_compile_times(spec: BenchSpec, timeout: float = 1800.0) -> list[CompileTime]:
-    """Cold, then warm, for every cell of ``spec``, each in a fresh process."""
+    """Cold, warm, then warm as a user's script runs, for every cell of ``spec``, each in a
+    fresh process."""
     results = []
     for cell in spec.cells:
         layers = cell.config.num_layers
         with tempfile.TemporaryDirectory(prefix="attn-inductor-") as cache_dir:
             try:
-                cold, warm = (_probe(cell, spec, cache_dir, timeout) for _ in range(2))
+                cold, warm, as_run = (
+                    _probe(cell, spec, cache_dir, timeout, setup_apart=apart) for apart in (True, True, False)
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 results.append(CompileTime(cell.label, layers, problem=str(error)))
                 continue
@@ -117,6 +134,7 @@ def measure_compile_times(spec: BenchSpec, timeout: float = 1800.0) -> list[Comp
                 setup_s=(cold["setup_s"], warm["setup_s"]),
                 first_generate_s=(cold["first_generate_s"], warm["first_generate_s"]),
                 inductor_s=(cold["inductor_s"], warm["inductor_s"]),
+                warm_as_run_s=as_run["first_generate_s"],
                 regions=warm["regions"],
             )
         )
@@ -128,15 +146,17 @@ def format_compile_times(results: list[CompileTime], machine: str) -> str:
     lines = [
         f"compile_for_decode before the first token ({machine}); seconds, first generate (in inductor), "
         "after inductor's own setup (once per machine and torch release: ISA probes, precompiled header)",
-        f"  {'cell':<28} {'layers':>6}  {'setup cold/warm':>15}  {'cold':>16}  {'warm':>16}  layers compiled",
+        f"  {'cell':<28} {'layers':>6}  {'setup cold/warm':>15}  {'cold':>16}  {'warm':>16}  {'warm as run':>11}"
+        "  layers compiled",
     ]
     for r in results:
-        if r.first_generate_s is None or r.inductor_s is None or r.setup_s is None:
+        if r.first_generate_s is None or r.inductor_s is None or r.setup_s is None or r.warm_as_run_s is None:
             lines.append(f"  {r.cell:<28} {r.layers:>6}  not measured: {r.problem}")
             continue
         setup = f"{r.setup_s[0]:.1f} / {r.setup_s[1]:.1f}"
         pairs = zip(r.first_generate_s, r.inductor_s, strict=True)
         cold, warm = (f"{total:6.1f} ({inductor:5.1f})" for total, inductor in pairs)
         compiled = "one, for every layer" if r.regions else "every layer"
-        lines.append(f"  {r.cell:<28} {r.layers:>6}  {setup:>15}  {cold:>16}  {warm:>16}  {compiled}")
+        as_run = f"{r.warm_as_run_s:.1f}"
+        lines.append(f"  {r.cell:<28} {r.layers:>6}  {setup:>15}  {cold:>16}  {warm:>16}  {as_run:>11}  {compiled}")
     return "\n".join(lines)
