@@ -309,31 +309,34 @@ def compile_regions() -> Iterator[None]:
         _regions_on = before
 
 
-def recompile_limit_at_least(graphs: int) -> contextlib.AbstractContextManager[None]:
-    """Dynamo's recompile limit, per code object, raised to at least ``graphs`` inside.
+_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
-    The limit (8) counts every graph compiled for one function in the process, whoever
-    compiled it: ``attn.compile_for_decode`` gives each model its own backend, so each one's
-    step is another graph of ``TransformerDecoder.forward``, and the ninth model would fail
-    to compile (``fullgraph``). The option is ``cache_size_limit`` before torch 2.7 and
-    ``recompile_limit`` (the old name an alias) from 2.7.
+
+def recompile_limit() -> int:
+    """Dynamo's recompile limit now: graphs per code object (``cache_size_limit`` before
+    torch 2.7, ``recompile_limit`` from 2.7, the old name an alias)."""
+    return getattr(torch._dynamo.config, _RECOMPILE_LIMIT)
+
+
+def decode_step_options(recompile_limit: int) -> dict[str, Any]:
+    """Dynamo options for ``attn.compile_for_decode``'s step, for ``torch._dynamo.config.patch``.
+
+    - A module buffer's dim may be traced as a symbol where it is marked dynamic
+      (``torch._dynamo.maybe_mark_dynamic``: the KV-cache length). Dynamo keeps every
+      parameter and buffer size static unless told otherwise: ``force_parameter_static_shapes``,
+      and ``force_nn_module_property_static_shapes`` (torch 2.5.1 needs this one too: there a
+      buffer counts as a module property); both exist in every release the matrix covers.
+      Unmarked sizes stay static either way (``tests/test_fast_decode.py`` on every leg).
+    - The recompile limit, per code object, becomes ``recompile_limit``. It counts every
+      graph compiled for one function in the process, whoever compiled it: each model's step
+      is another graph of ``TransformerDecoder.forward``, so the ninth model would fail to
+      compile (``fullgraph``).
     """
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(graphs, getattr(config, name))})
-
-
-def dynamic_buffer_shapes() -> contextlib.AbstractContextManager[None]:
-    """Graphs compiled inside may trace a module buffer's dim as a symbol where it is marked
-    dynamic (``torch._dynamo.maybe_mark_dynamic``): the KV-cache length in
-    ``attn.compile_for_decode``'s step. Dynamo keeps every parameter and buffer size static
-    unless told otherwise: ``force_parameter_static_shapes``, and
-    ``force_nn_module_property_static_shapes`` (torch 2.5.1 needs this one too: there a
-    buffer counts as a module property); both exist in every release the matrix covers.
-    Unmarked sizes stay static either way (``tests/test_fast_decode.py`` on every leg)."""
-    return torch._dynamo.config.patch(
-        force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False
-    )
+    return {
+        "force_parameter_static_shapes": False,
+        "force_nn_module_property_static_shapes": False,
+        _RECOMPILE_LIMIT: recompile_limit,
+    }
 
 
 def release_support(version: TorchVersion | str | None = None) -> ReleaseSupport:
