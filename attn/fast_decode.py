@@ -416,7 +416,7 @@ class DecodeCompiled(nn.Module):
         # alone turns symbolic, from its second value on (``_mark_cache_length_dynamic``).
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=self._backend)
         object.__setattr__(self, "_step", step)
-        object.__setattr__(self, "_inductor_setup", _start_inductor_setup())
+        object.__setattr__(self, "_inductor_setup", _start_inductor_setup())  # joined by the first compile
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -432,7 +432,9 @@ class DecodeCompiled(nn.Module):
         from torch._inductor.compile_fx import compile_fx
 
         start = time.perf_counter()
-        self._inductor_setup.join()  # the probes started in __init__, done during dynamo's trace
+        if self._inductor_setup is not None:  # the probes started in __init__, run beside dynamo's trace
+            self._inductor_setup.join()
+            object.__setattr__(self, "_inductor_setup", None)
         self.stats.graphs += 1
         DecodeCompiled.graphs_in_process += 1
         rewritten = []
