@@ -309,13 +309,14 @@ def compile_regions() -> Iterator[None]:
         _regions_on = before
 
 
-_RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+def _recompile_limit_name() -> str:
+    """``cache_size_limit`` before torch 2.7, ``recompile_limit`` from 2.7 (the old name an alias)."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def recompile_limit() -> int:
-    """Dynamo's recompile limit now: graphs per code object (``cache_size_limit`` before
-    torch 2.7, ``recompile_limit`` from 2.7, the old name an alias)."""
-    return getattr(torch._dynamo.config, _RECOMPILE_LIMIT)
+    """Dynamo's recompile limit now: graphs per code object."""
+    return getattr(torch._dynamo.config, _recompile_limit_name())
 
 
 def decode_step_options(recompile_limit: int) -> dict[str, Any]:
@@ -335,7 +336,7 @@ def decode_step_options(recompile_limit: int) -> dict[str, Any]:
     return {
         "force_parameter_static_shapes": False,
         "force_nn_module_property_static_shapes": False,
-        _RECOMPILE_LIMIT: recompile_limit,
+        _recompile_limit_name(): recompile_limit,
     }
 
 

@@ -57,6 +57,7 @@ import hashlib
 import inspect
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,18 +336,19 @@ def _vector_bits(rewritten: list[tuple[int, torch.dtype]], requested: int | None
     return None
 
 
-def _mark_cache_length_dynamic(caches: list[KVCache], mask: torch.Tensor | None) -> None:
+def _mark_cache_length_dynamic(caches: list[KVCache] | None, mask: torch.Tensor | None) -> None:
     """Tells dynamo that the cache length (L) varies, so that one graph serves every length.
 
-    The key/value buffers' slot dim, and a mask's last dim where it has one entry per slot,
-    become symbols; every other size stays static (the linears are rewritten for a fixed
-    number of rows). ``maybe_mark_dynamic``: where a model's code needs one fixed length
-    after all, dynamo specializes rather than fails (a test counts the graphs).
+    The key/value buffers' slot dim (``caches``: pass them when they are new; the mark stays
+    on a buffer) and a mask's last dim, where it has one entry per slot, become symbols;
+    every other size stays static (the linears are rewritten for a fixed number of rows).
+    ``maybe_mark_dynamic``: where a model's code needs one fixed length after all, dynamo
+    specializes rather than fails (a test counts the graphs).
     """
-    for cache in caches:
+    for cache in caches or ():
         for buffer in (cache.k_cache, cache.v_cache):
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
-    if isinstance(mask, torch.Tensor) and mask.dim() >= 2 and mask.shape[-1] == caches[0].max_seq_len:
+    if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
         torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
 
 
@@ -409,7 +411,8 @@ class DecodeCompiled(nn.Module):
         self.rewrite = rewrite
         self.vector_bits = vector_bits
         self.stats = DecodeCompileStats()
-        self._cache_lengths: set[int] = set()  # cache lengths (L) the step has run with
+        self._first_cache_length: int | None = None  # the cache length (L) of the first cached step
+        self._marked_buffer: weakref.ref[torch.Tensor] | None = None  # the first cache's, once marked dynamic
         # Not a submodule: the wrapped model is registered once, as ``model``. Static shapes: a
         # new batch size compiles a graph of its own, with its linears rewritten for that many
         # rows (a graph with a symbolic batch would keep the BLAS kernel). The cache length
@@ -451,6 +454,23 @@ class DecodeCompiled(nn.Module):
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
+    def _follow_cache_length(self, caches: list[KVCache], mask: torch.Tensor | None) -> None:
+        """From the second cache length on, every cached step runs with the length marked
+        dynamic: the buffers when they are new (``setup_caches``, a fork), a mask each step
+        (a fresh tensor); 30 layers' buffers marked every step would cost about 0.3 ms."""
+        first = caches[0]
+        if self._first_cache_length is None:
+            self._first_cache_length = first.max_seq_len
+        elif first.max_seq_len != self._first_cache_length:
+            self.stats.dynamic_cache_length = True
+        if not self.stats.dynamic_cache_length:
+            return
+        fresh = self._marked_buffer is None or self._marked_buffer() is not first.k_cache
+        if fresh:
+            self._marked_buffer = weakref.ref(first.k_cache)
+        has_slots = mask is not None and mask.dim() >= 2 and mask.shape[-1] == first.max_seq_len
+        _mark_cache_length_dynamic(caches if fresh else None, mask if has_slots else None)
+
     def forward(
         self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
     ) -> torch.Tensor:
@@ -467,10 +487,7 @@ class DecodeCompiled(nn.Module):
         if use_cache and not checked:
             self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
         if use_cache:
-            self._cache_lengths.add(self.model.kv_caches()[0].max_seq_len)
-            if len(self._cache_lengths) > 1:  # a second length: from now on one graph for every length
-                self.stats.dynamic_cache_length = True
-                _mark_cache_length_dynamic(self.model.kv_caches(), kwargs.get("mask"))
+            self._follow_cache_length(self.model.kv_caches(), kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, compat.recompile_limit())
         with compat.compile_regions(), _step_options(limit):
