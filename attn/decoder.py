@@ -276,6 +276,11 @@ class TransformerDecoder(nn.Module):
         """The layers' caches, in order (empty when none are set up)."""
         return [a.kv_cache for a in self._attention() if a.kv_cache is not None]
 
+    def first_kv_cache(self) -> KVCache | None:
+        """The first layer's cache, or ``None``: every layer's has the same batch size and
+        length. For a per-step read: ``kv_caches()`` walks every layer (0.15-0.3 ms at 30)."""
+        return self.layers[0].attn.kv_cache
+
     # -- forward -----------------------------------------------------------------------
 
     def forward(

@@ -454,11 +454,11 @@ class DecodeCompiled(nn.Module):
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
-    def _follow_cache_length(self, caches: list[KVCache], mask: torch.Tensor | None) -> None:
+    def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on, every cached step runs with the length marked
         dynamic: the buffers when they are new (``setup_caches``, a fork), a mask each step
         (a fresh tensor); 30 layers' buffers marked every step would cost about 0.3 ms."""
-        first = caches[0]
+        first = self.model.first_kv_cache()
         if self._first_cache_length is None:
             self._first_cache_length = first.max_seq_len
         elif first.max_seq_len != self._first_cache_length:
@@ -469,7 +469,7 @@ class DecodeCompiled(nn.Module):
         if fresh:
             self._marked_buffer = weakref.ref(first.k_cache)
         has_slots = mask is not None and mask.dim() >= 2 and mask.shape[-1] == first.max_seq_len
-        _mark_cache_length_dynamic(caches if fresh else None, mask if has_slots else None)
+        _mark_cache_length_dynamic(self.model.kv_caches() if fresh else None, mask if has_slots else None)
 
     def forward(
         self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
@@ -487,7 +487,7 @@ class DecodeCompiled(nn.Module):
         if use_cache and not checked:
             self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
         if use_cache:
-            self._follow_cache_length(self.model.kv_caches(), kwargs.get("mask"))
+            self._follow_cache_length(kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, compat.recompile_limit())
         with compat.compile_regions(), _step_options(limit):

@@ -380,3 +380,14 @@ def test_cache_operations_check_once_for_every_layer(monkeypatch: pytest.MonkeyP
     assert counts == [2, 2], counts
     assert [c.batch_size for c in model.kv_caches()] == [6] * num_layers
     assert all(int(c.size) == 3 for c in model.kv_caches())
+
+
+def test_first_kv_cache_is_the_first_layers_or_none() -> None:
+    model = tiny_model(6)
+    assert model.first_kv_cache() is None
+    model.setup_caches(2, 8)
+    assert model.first_kv_cache() is model.kv_caches()[0]
+    model.fork_caches(2)  # new buffers, same cache object
+    assert model.first_kv_cache() is model.kv_caches()[0] and model.first_kv_cache().batch_size == 4
+    model.teardown_caches()
+    assert model.first_kv_cache() is None
