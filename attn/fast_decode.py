@@ -340,7 +340,7 @@ def _mark_cache_length_dynamic(caches: list[KVCache] | None, mask: torch.Tensor 
     """Tells dynamo that the cache length (L) varies, so that one graph serves every length.
 
     The key/value buffers' slot dim (``caches``: pass them when they are new; the mark stays
-    on a buffer) and a mask's last dim, where it has one entry per slot, become symbols;
+    on a buffer) and ``mask``'s last dim (pass it where it has one entry per slot) become symbols;
     every other size stays static (the linears are rewritten for a fixed number of rows).
     ``maybe_mark_dynamic``: where a model's code needs one fixed length after all, dynamo
     specializes rather than fails (a test counts the graphs).
@@ -348,7 +348,7 @@ def _mark_cache_length_dynamic(caches: list[KVCache] | None, mask: torch.Tensor 
     for cache in caches or ():
         for buffer in (cache.k_cache, cache.v_cache):
             torch._dynamo.maybe_mark_dynamic(buffer, 2)
-    if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
+    if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
 
 
