@@ -12,7 +12,7 @@ from attn.compat import CachePolicy, CompatWarning, cache_policy
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import GenerationOutput, generate
-from attn.kv_cache import KVCache
+from attn.kv_cache import KVCache, attended_slots
 from attn.masks import padded_causal_mask, padding_positions
 from attn.scoring import ContinuationScore, score_continuations
 
@@ -37,6 +37,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "TransformerDecoder",
+    "attended_slots",
     "cache_policy",
     "cached_inference",
     "compat",

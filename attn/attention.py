@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn.kv_cache import KVCache
+from attn.kv_cache import KVCache, attended_slots
 from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RotaryEmbedding
@@ -138,9 +138,11 @@ class MultiHeadAttention(nn.Module):
             x: (b, s, e).
             input_pos: RoPE positions, (s,) or (b, s). Default: ``arange(s)`` without the
                 cache, the cache's fill position onwards with it.
-            mask: bool, True where a query may attend: (b, s, L) or (s, L). Default: causal
-                (over cache slots when the cache is used). The sliding window, if any, is
-                applied on top.
+            mask: bool, True where a query may attend: (b, s, s) or (s, s) without the
+                cache; with it, (b, s, n) or (s, n) over the cache's first n slots, which must
+                hold this pass's tokens (the slots past n are not read). Default: causal, over
+                the filled slots rounded up (``attended_slots``). The sliding window, if any,
+                is applied on top.
             use_cache: the decision, made by the caller for the whole model, which has
                 also checked the cache's capacity; ``None`` decides and checks here.
 
@@ -154,9 +156,9 @@ class MultiHeadAttention(nn.Module):
             if use_cache is None:
                 use_cache = inference_mode_decides(self.kv_cache, s, torch.compiler.is_compiling())
         cache = self.kv_cache if use_cache else None
-        input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask, self.sliding_window)
-        key_len = cache.max_seq_len if cache is not None else s
-        _check_aux(input_pos, mask, b, s, key_len)
+        check_pass_inputs(input_pos, mask, b, s, cache)
+        span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None
+        input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask, self.sliding_window, span)
 
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (b, s, h, d)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (b, s, h_kv, d)
@@ -167,7 +169,7 @@ class MultiHeadAttention(nn.Module):
         q = self.rope(q, input_pos)
         k = self.rope(k, input_pos)
         if cache is not None:
-            k, v = cache.update(k, v, checked=checked)  # each (b, h_kv, L, d)
+            k, v = cache.update(k, v, checked=True, span=mask.shape[-1])  # each (b, h_kv, span, d)
             q = q.to(k.dtype)
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
@@ -179,6 +181,15 @@ class MultiHeadAttention(nn.Module):
         return self.o_proj(out.to(x.dtype))
 
 
+def check_cached_pass(cache: KVCache, b: int, s: int, mask: torch.Tensor | None) -> int | None:
+    """Raises, before anything is written, if ``s`` new tokens per row do not fit ``cache``
+    or ``mask``'s span (``KVCache.check_update``: one host read, eager only), and returns the
+    span a default mask covers: the filled slots rounded up (``attended_slots``); ``None``
+    under ``torch.compile``, where nothing is read (a default mask covers every slot)."""
+    filled = cache.check_update(b, s, None if mask is None else mask.shape[-1])
+    return None if filled is None else attended_slots(filled + s, cache.max_seq_len)
+
+
 def default_pos_and_mask(
     cache: KVCache | None,
     s: int,
@@ -186,14 +197,16 @@ def default_pos_and_mask(
     input_pos: torch.Tensor | None,
     mask: torch.Tensor | None,
     window: int | None = None,
+    span: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fills in positions and mask the caller left out, and applies a sliding window.
 
     Without a cache: positions ``arange(s)`` and no mask (SDPA's causal kernel). With one:
     the queries go to slots ``fill .. fill + s - 1``, take those as positions, and attend
-    causally over the slots. A ``window`` keeps, for the query in slot q, the keys in slots
-    ``q - window + 1 .. q`` (slots, not positions: a left-padded row counts its padding, as
-    transformers does), ANDed with the given or default mask.
+    causally over the first ``span`` slots (default: all of them; ``attended_slots`` sizes it).
+    A ``window`` keeps, for the query in slot q, the keys in slots ``q - window + 1 .. q``
+    (slots, not positions: a left-padded row counts its padding, as transformers does), ANDed
+    with the given or default mask, over the slots that mask covers.
     """
     if cache is None:
         input_pos = torch.arange(s, device=device) if input_pos is None else input_pos
@@ -203,14 +216,15 @@ def default_pos_and_mask(
             mask = band if mask is None else mask & band
         return input_pos, mask
     if input_pos is None or mask is None or window is not None:
+        n = mask.shape[-1] if mask is not None else span if span is not None else cache.max_seq_len
         query_slots = cache.cache_pos + torch.arange(s, device=device)  # (s,)
-        key_slots = torch.arange(cache.max_seq_len, device=device)  # (L,)
+        key_slots = torch.arange(n, device=device)  # (n,)
         if input_pos is None:
             input_pos = query_slots
         if mask is None:
-            mask = key_slots[None, :] <= query_slots[:, None]  # (s, L)
-        if window is not None and window < cache.max_seq_len:
-            mask = mask & (key_slots[None, :] > query_slots[:, None] - window)  # (s, L) or (b, s, L)
+            mask = key_slots[None, :] <= query_slots[:, None]  # (s, n)
+        if window is not None and window < n:
+            mask = mask & (key_slots[None, :] > query_slots[:, None] - window)  # (s, n) or (b, s, n)
     return input_pos, mask
 
 
@@ -220,18 +234,33 @@ def _has_shape(t: torch.Tensor, *shapes: tuple[int, ...]) -> bool:
     return any(t.dim() == len(shape) and all(t.shape[i] == n for i, n in enumerate(shape)) for shape in shapes)
 
 
-def _check_aux(input_pos: torch.Tensor, mask: torch.Tensor | None, b: int, s: int, key_len: int) -> None:
-    """Static shape checks for positions and mask (free under torch.compile)."""
-    if not _has_shape(input_pos, (s,), (b, s)):
-        raise ValueError(f"input_pos must have shape ({s},) or ({b}, {s}), got {tuple(input_pos.shape)}")
-    if input_pos.dtype not in (torch.long, torch.int32):
-        raise ValueError(f"input_pos must be an integer tensor (torch.long), got {input_pos.dtype}")
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ValueError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}")
-        if not _has_shape(mask, (s, key_len), (b, s, key_len)):
-            where = "the cache's max_seq_len" if key_len != s else "the sequence length"
+def check_pass_inputs(
+    input_pos: torch.Tensor | None, mask: torch.Tensor | None, b: int, s: int, cache: KVCache | None
+) -> None:
+    """Static shape checks for the positions and mask a caller passed (free under torch.compile).
+
+    Without a cache the mask's last dim is ``s``. With one it counts cache slots from the first:
+    any span up to the capacity, which ``KVCache.check_update`` checks covers the new tokens.
+    """
+    if input_pos is not None:
+        if not _has_shape(input_pos, (s,), (b, s)):
+            raise ValueError(f"input_pos must have shape ({s},) or ({b}, {s}), got {tuple(input_pos.shape)}")
+        if input_pos.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_pos must be an integer tensor (torch.long), got {input_pos.dtype}")
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor (True = may attend), got {mask.dtype}")
+    if cache is None:
+        if not _has_shape(mask, (s, s), (b, s, s)):
             raise ValueError(
-                f"mask must have shape ({b}, {s}, {key_len}) or ({s}, {key_len}) (last dim: "
-                f"{where}), got {tuple(mask.shape)}"
+                f"mask must have shape ({b}, {s}, {s}) or ({s}, {s}) (last dim: the sequence length, "
+                f"for a pass without the cache), got {tuple(mask.shape)}"
             )
+        return
+    n = mask.shape[-1]
+    if not (_has_shape(mask, (s, n), (b, s, n)) and 1 <= n <= cache.max_seq_len):
+        raise ValueError(
+            f"mask must have shape ({b}, {s}, n) or ({s}, n) with n the cache slots it covers, "
+            f"from the first, 1 <= n <= {cache.max_seq_len} (the cache's max_seq_len), got {tuple(mask.shape)}"
+        )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn import compat
-from attn.attention import MultiHeadAttention, default_pos_and_mask
+from attn.attention import MultiHeadAttention, check_cached_pass, check_pass_inputs, default_pos_and_mask
 from attn.kv_cache import KVCache
 from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
@@ -223,10 +223,14 @@ class TransformerDecoder(nn.Module):
         first = self.layers[0].attn
         return uses_cache(first.kv_cache, first.cache_mode, num_tokens)
 
-    def check_cache_capacity(self, batch_size: int, num_tokens: int) -> None:
+    def check_cache_capacity(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None = None) -> int | None:
         """Raises, before anything is written, if ``num_tokens`` more tokens per row do not
-        fit the caches or ``batch_size`` rows do not match them (one host read, eager only)."""
-        self._caches_or_raise()[0].check_update(batch_size, num_tokens)
+        fit the caches or the slots ``mask`` covers, or ``batch_size`` rows do not match them
+        (one host read, eager only). Returns the slots a default mask covers then
+        (``attn.attended_slots`` of the fill after the pass); ``None`` under ``torch.compile``."""
+        cache = self._caches_or_raise()[0]
+        check_pass_inputs(None, mask, batch_size, num_tokens, cache)
+        return check_cached_pass(cache, batch_size, num_tokens, mask)
 
     def reset_caches(self) -> None:
         """Empties every cache (keeps them set up); works in and out of inference mode."""
@@ -300,7 +304,9 @@ class TransformerDecoder(nn.Module):
             input_pos: RoPE positions, (s,) or (b, s); default ``arange(s)``, or from the
                 cache's fill position onwards when the pass uses the cache.
             mask: bool, True where a query may attend; (b, s, s) without the cache, (b, s,
-                max_seq_len) over cache slots with it. Default: causal. See
+                n) over the cache's first n slots with it (n up to max_seq_len; they must hold
+                this pass's tokens, and the slots past them are not read). Default: causal,
+                over the filled slots rounded up (``attn.attended_slots``). See
                 ``attn.padded_causal_mask`` for left-padded batches.
             last_only: compute logits for the last position only (a prompt's prefill needs
                 no more): skips the output layer for the other positions and never holds a
@@ -329,9 +335,9 @@ class TransformerDecoder(nn.Module):
                 "history; pass use_cache=model.uses_cache(s), which is False under grad"
             )
         cache = first.kv_cache if use_cache else None
-        if cache is not None and not checked:
-            cache.check_update(b, s)  # raise before any layer writes
-        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask)  # windows: per layer
+        check_pass_inputs(input_pos, mask, b, s, cache)
+        span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None  # before any write
+        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # windows: per layer
         h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)

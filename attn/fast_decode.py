@@ -31,20 +31,22 @@ What it does not do, on purpose:
 - no compiled prefill: the prompt runs in eager code (a matrix-matrix product, where the
   stock kernels are good), so prompts of any length never recompile anything.
 
-Cache length: the first graph is compiled for the cache length (L) it first sees, with
-static shapes, the cheapest to compile. When a second length comes (``attn.generate`` sizes
-its own caches to each generation, in steps of 64 slots), the step compiles one more graph
-with L as a symbol, and no later length recompiles (up to 4096 slots; longer caches get one
-graph of their own, where inductor changes its reduction scheme). The symbolic graph
-compiles slower: a 30-layer SmolLM2-shaped model, fp32, on a 2-core Intel Xeon in a slow
-hour (read bandwidth 5 GB/s), spent 24-32 s in inductor against 10 s for the static graph,
-and decoded at the same speed within that hour's noise (119-138 against 124-140 ms a
-token). Set the caches up once (``model.setup_caches``) to keep to one graph.
+Cache length: the first graph is compiled for the cache length it first sees (the buffers'
+L, and the slots the step's mask covers), with static shapes, the cheapest to compile. When
+a second length comes, the step compiles one more graph with the lengths as symbols, and no
+later length recompiles (up to 4096 slots; longer caches get one graph of their own, where
+inductor changes its reduction scheme). ``attn.generate`` attends over the prompt and the new
+tokens rounded up to 64 slots (``attn.attended_slots``), in caches of its own or the
+caller's, and a loop that passes no mask over the filled slots rounded up, as the eager
+model does: attention reads every slot it covers, so generations of other lengths bring that
+second graph rather than read a large cache whole. The symbolic graph compiles slower: for a
+30-layer SmolLM2-shaped model, fp32, on a 2-core Intel Xeon, 24-32 s in inductor cold
+against 10 s for the static graph (1.3 s warm, and about 6 s of dynamo's trace besides),
+decoding at the same speed within the hour's noise.
 
 Example::
 
     fast = attn.compile_for_decode(model)
-    model.setup_caches(batch_size=1, max_seq_len=256)  # optional: one cache for all calls
     out = attn.generate(fast, prompts, max_new_tokens=128)
     fast.stats.graphs  # 1: one decode graph for every position
 """
@@ -67,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn import compat
+from attn.attention import default_pos_and_mask
 from attn.kv_cache import KVCache
 
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
@@ -411,7 +414,7 @@ class DecodeCompiled(nn.Module):
         self.rewrite = rewrite
         self.vector_bits = vector_bits
         self.stats = DecodeCompileStats()
-        self._first_cache_length: int | None = None  # the cache length (L) of the first cached step
+        self._first_cache_lengths: tuple[int, int] | None = None  # the first cached step's (L, attended slots)
         self._marked_buffer: weakref.ref[torch.Tensor] | None = None  # the first cache's, once marked dynamic
         # Not a submodule: the wrapped model is registered once, as ``model``. Static shapes: a
         # new batch size compiles a graph of its own, with its linears rewritten for that many
@@ -455,21 +458,22 @@ class DecodeCompiled(nn.Module):
         return compiled
 
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
-        """From the second cache length on, every cached step runs with the length marked
-        dynamic: the buffers when they are new (``setup_caches``, a fork), a mask each step
-        (a fresh tensor); 30 layers' buffers marked every step would cost about 0.3 ms."""
+        """From the second cache length on (the buffers' L, or the slots a mask covers), every
+        cached step runs with the lengths marked dynamic: the buffers when they are new
+        (``setup_caches``, a fork), a mask each step (a fresh tensor); 30 layers' buffers
+        marked every step would cost about 0.3 ms."""
         first = self.model.first_kv_cache()
-        if self._first_cache_length is None:
-            self._first_cache_length = first.max_seq_len
-        elif first.max_seq_len != self._first_cache_length:
+        lengths = (first.max_seq_len, first.max_seq_len if mask is None else mask.shape[-1])  # (L, attended)
+        if self._first_cache_lengths is None:
+            self._first_cache_lengths = lengths
+        elif lengths != self._first_cache_lengths:
             self.stats.dynamic_cache_length = True
         if not self.stats.dynamic_cache_length:
             return
         fresh = self._marked_buffer is None or self._marked_buffer() is not first.k_cache
         if fresh:
             self._marked_buffer = weakref.ref(first.k_cache)
-        has_slots = mask is not None and mask.dim() >= 2 and mask.shape[-1] == first.max_seq_len
-        _mark_cache_length_dynamic(self.model.kv_caches() if fresh else None, mask if has_slots else None)
+        _mark_cache_length_dynamic(self.model.kv_caches() if fresh else None, mask)
 
     def forward(
         self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
@@ -484,8 +488,13 @@ class DecodeCompiled(nn.Module):
             return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
-        if use_cache and not checked:
-            self.model.check_cache_capacity(tokens.shape[0], 1)  # before anything is written
+        if use_cache and not checked:  # before anything is written
+            span = self.model.check_cache_capacity(tokens.shape[0], 1, kwargs.get("mask"))
+            if kwargs.get("mask") is None:  # the eager model's default, over the span it read: not every slot
+                cache = self.model.first_kv_cache()
+                kwargs["input_pos"], kwargs["mask"] = default_pos_and_mask(
+                    cache, 1, tokens.device, kwargs.get("input_pos"), None, span=span
+                )
         if use_cache:
             self._follow_cache_length(kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
@@ -503,7 +512,7 @@ def compile_for_decode(
     doc has figures) and once per new batch size or dtype after that; decode through
     ``attn.generate`` compiles once for a whole generation. Generations of other lengths
     compile one more graph between them, with the cache length as a symbol (the module doc
-    has the cost); set up the caches once (``model.setup_caches``) to keep to one. The cache decision runs in eager code before the step, so a plain
+    has the cost). The cache decision runs in eager code before the step, so a plain
     ``torch.inference_mode()`` decode loop drives it exactly as it drives the model.
 
     Args:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from attn.context import cached_passes
+from attn.kv_cache import attended_slots
 from attn.masks import left_pad, padding_positions, slot_mask
 
 __all__ = ["GenerationOutput", "generate"]
@@ -61,10 +62,6 @@ class GenerationOutput:
     def generated_mask(self) -> torch.Tensor:
         """(b, N) bool, True for generated tokens that count (up to and including a stop)."""
         return self.padding_mask[:, self.prompt_length :]
-
-
-# generate's own caches have a multiple of this many slots (the attention reads them all, masked).
-CACHE_SLOTS_STEP = 64
 
 
 def _sample(
@@ -134,11 +131,13 @@ def generate(
 
     If the model has no caches, a cache is set up for the call and torn down after: the
     longest prompt plus ``max_new_tokens`` slots, rounded up to a multiple of
-    ``CACHE_SLOTS_STEP`` (at most the model's ``max_seq_len``), so that a compiled model
+    ``attn.kv_cache.SLOT_STEP`` (at most the model's ``max_seq_len``), so that a compiled model
     (``torch.compile`` with static shapes, ``attn.compile_for_decode``) does not compile again
     for every new length; the slots past a row's tokens are masked. If it has caches, they
-    are reset and must fit the batch and the length. A row stops after it produces any of
-    ``stop_tokens``; the call ends when every row has stopped.
+    are reset and must fit the batch and the length; the passes attend over as many of their
+    slots as a cache of its own would hold (``attn.attended_slots``), not over all of them.
+    A row stops after it produces any of ``stop_tokens``; the call ends when every row has
+    stopped.
 
     With ``num_samples`` G > 1 each prompt is prefilled once and its cache rows are copied G
     times (``fork_caches``) before G continuations are drawn: the output has b x G rows,
@@ -207,10 +206,11 @@ def generate(
         if num_samples > 1:
             model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
     if owns_cache:  # rounded up, so that a compiled model compiles once for similar lengths
-        model.setup_caches(b, min(config.max_seq_len, -(-total // CACHE_SLOTS_STEP) * CACHE_SLOTS_STEP))
+        model.setup_caches(b, attended_slots(total, config.max_seq_len))
     try:
         steps = _decode(
             model,
+            attended_slots(total, model.kv_caches()[0].max_seq_len),
             prompt_tokens,
             prompt_mask,
             max_new_tokens,
@@ -242,6 +242,7 @@ def generate(
 
 def _decode(
     model: nn.Module,
+    num_slots: int,
     prompt_tokens: torch.Tensor,
     prompt_mask: torch.Tensor,
     max_new_tokens: int,
@@ -254,18 +255,18 @@ def _decode(
     on_tokens: Callable[[torch.Tensor], None] | None,
     num_samples: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Prefill, fork G ways, then one token a step; returns (b * G, N) tokens, mask,
-    logprobs, and logits."""
+    """Prefill, fork G ways, then one token a step, attending over the caches' first
+    ``num_slots`` slots (one mask length for the whole generation: a compiled step compiles
+    once); returns (b * G, N) tokens, mask, logprobs, and logits."""
     b, P = prompt_tokens.shape
     device = prompt_tokens.device
-    num_slots = model.kv_caches()[0].max_seq_len
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     all_logits = []
     with cached_passes(model):
-        key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, L)
+        key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, n)
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
-        mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, L)
+        mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, n)
         # Ids and capacity were checked up front: the steps make no host reads of their own.
         logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True, checked=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
@@ -293,7 +294,7 @@ def _decode(
             slot = torch.tensor([P + step], device=device)  # (1,)
             # A fresh (b, 1) tensor, not a slice of new_tokens: a changing storage offset
             # would make torch.compile recompile the decode step.
-            step_mask = slot_mask(key_valid, slot)  # (b, 1, L)
+            step_mask = slot_mask(key_valid, slot)  # (b, 1, n)
             logits = model(token[:, None], input_pos=next_pos, mask=step_mask, checked=True)[:, -1]  # (b, v)
             next_pos = next_pos + 1
     logits_out = None

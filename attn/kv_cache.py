@@ -3,8 +3,10 @@
 Shapes: b = batch, h_kv = kv heads, s = new tokens, L = max_seq_len, d = head dim.
 
 The buffers have a fixed shape and the fill position lives in a 0-dim tensor, so a decode
-step looks the same to ``torch.compile`` at every position and compiles once. Buffers are
-``persistent=False``: a ``state_dict`` never carries a cache.
+step looks the same to ``torch.compile`` at every position and compiles once. A pass may
+attend over the first slots only (``update(span=...)``): eager passes over the filled slots
+rounded up (``attended_slots``), ``attn.generate`` over as many as its generation needs.
+Buffers are ``persistent=False``: a ``state_dict`` never carries a cache.
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "attended_slots"]
+
+SLOT_STEP = 64
+"""Cache lengths (``attn.generate``'s own caches) and attended spans come in multiples of this
+many slots, so that a compiled step sees few distinct lengths."""
+
+
+def attended_slots(needed: int, capacity: int) -> int:
+    """The slots a pass attends over when ``needed`` slots are filled after it: ``needed``
+    rounded up to a multiple of ``SLOT_STEP``, at most ``capacity``. Attention costs time per
+    slot it reads, filled or not; the masked slots past the span are skipped, not read."""
+    return min(capacity, -(-needed // SLOT_STEP) * SLOT_STEP)
 
 
 class KVCache(nn.Module):
@@ -90,23 +103,35 @@ class KVCache(nn.Module):
             f"max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, dtype={self.k_cache.dtype}"
         )
 
-    def check_update(self, batch_size: int, seq_len: int) -> None:
-        """Raises, before anything is written, if ``seq_len`` new tokens would not fit.
+    def check_update(self, batch_size: int, seq_len: int, span: int | None = None) -> int | None:
+        """Raises, before anything is written, if ``seq_len`` new tokens would not fit, or
+        would fall outside the ``span`` slots the pass attends over (default: all of them).
 
         The shape checks are static and cost nothing under ``torch.compile``. The capacity
         check reads the fill position (one host sync), so it runs in eager code only;
         compiled code relies on the caller (``attn.generate`` checks the whole generation
         up front) and on ``update``'s all-or-nothing write.
+
+        Returns:
+            The fill it read, or ``None`` under ``torch.compile``, where it reads nothing.
         """
         self._check_rows(batch_size)
-        if not torch.compiler.is_compiling():
-            filled = self.size
-            if filled + seq_len > self.max_seq_len:
-                raise RuntimeError(
-                    f"KV-cache overflow: it holds {filled} tokens, {seq_len} more do not fit in "
-                    f"its capacity of {self.max_seq_len}; call reset_caches() to start over or "
-                    "setup_caches() with a larger max_seq_len"
-                )
+        if torch.compiler.is_compiling():
+            return None
+        filled = self.size
+        if filled + seq_len > self.max_seq_len:
+            raise RuntimeError(
+                f"KV-cache overflow: it holds {filled} tokens, {seq_len} more do not fit in "
+                f"its capacity of {self.max_seq_len}; call reset_caches() to start over or "
+                "setup_caches() with a larger max_seq_len"
+            )
+        if span is not None and filled + seq_len > span:
+            raise ValueError(
+                f"the mask covers the first {span} cache slots, but this pass writes {seq_len} "
+                f"tokens after the {filled} the cache holds, up to slot {filled + seq_len - 1}; "
+                f"pass a mask over at least {filled + seq_len} slots (at most {self.max_seq_len})"
+            )
+        return filled
 
     def _check_rows(self, batch_size: int) -> None:
         if self.torn_down:
@@ -121,7 +146,9 @@ class KVCache(nn.Module):
                 f"exactly {self.batch_size} rows"
             )
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, *, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, *, checked: bool = False, span: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``k`` and ``v`` at the fill position and advances it.
 
         Args:
@@ -130,10 +157,12 @@ class KVCache(nn.Module):
             checked: the caller ran ``check_update(b, s)`` for this write already (the
                 decoder does, once per forward for all its layers); skips the capacity
                 read, a host sync.
+            span: the slots the caller attends over (default: all L); they must hold the
+                new tokens, which eager code checks.
 
         Returns:
-            The whole key and value buffers, each (b, h_kv, L, d); slots at or past the new
-            fill position hold stale data and must be masked by the caller.
+            The key and value buffers' first ``span`` slots, each (b, h_kv, span, d), views;
+            slots at or past the new fill position hold stale data and must be masked.
         """
         b, h_kv, s, d = k.shape
         if k.shape != v.shape or (h_kv, d) != (self.num_kv_heads, self.head_dim):
@@ -144,7 +173,7 @@ class KVCache(nn.Module):
         if checked:
             self._check_rows(b)
         else:
-            self.check_update(b, s)
+            self.check_update(b, s, span)
         slots = self.cache_pos + torch.arange(s, device=k.device)  # (s,)
         # All or nothing, where no capacity error was raised (compiled code cannot raise one):
         # the write's own bounds check refuses an overflow, but it runs element by element as
@@ -155,7 +184,10 @@ class KVCache(nn.Module):
         self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
         self.cache_pos.add_(s)
         self.last_write.fill_(s)
-        return self.k_cache, self.v_cache
+        # Compiled code always takes the views: a span == L test there would be one more guard.
+        if span is None or (not torch.compiler.is_compiling() and span == self.max_seq_len):
+            return self.k_cache, self.v_cache
+        return self.k_cache.narrow(2, 0, span), self.v_cache.narrow(2, 0, span)
 
     def rewind(self, fill: int | torch.Tensor, *, checked: bool = False) -> None:
         """Crops the cache to its first ``fill`` tokens, as if it had never gone past them.

@@ -88,6 +88,19 @@ def tiny_model(seed: int = 0, **overrides: object) -> attn.TransformerDecoder:
     return model.eval()
 
 
+def poison_on_reset(model: attn.TransformerDecoder, past: int) -> None:
+    """Makes ``model.reset_caches`` (which generate calls) fill every cache slot from ``past``
+    on with NaN: a pass that read one, masked or not, would give NaN (0 x NaN)."""
+
+    def reset_and_poison() -> None:
+        type(model).reset_caches(model)
+        for cache in model.kv_caches():
+            cache.k_cache[:, :, past:] = float("nan")
+            cache.v_cache[:, :, past:] = float("nan")
+
+    model.reset_caches = reset_and_poison  # type: ignore[method-assign]
+
+
 def cache_state(model: attn.TransformerDecoder) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """A copy of every cache buffer, to check a pass left them bit-for-bit unchanged."""
     return [(c.k_cache.clone(), c.v_cache.clone(), c.cache_pos.clone()) for c in model.kv_caches()]

@@ -84,7 +84,7 @@ def test_cached_chunks_match_reference(setup: tuple[MultiHeadAttention, int, int
 
 
 @st.composite
-def featured_layers(draw: st.DrawFn) -> MultiHeadAttention:
+def featured_layers(draw: st.DrawFn, max_seq_len: int = 32) -> MultiHeadAttention:
     """Layers with the checkpoint features switched on at random, their biases and norms random."""
     torch.manual_seed(draw(st.integers(0, 2**16)))
     layer = MultiHeadAttention(
@@ -92,17 +92,70 @@ def featured_layers(draw: st.DrawFn) -> MultiHeadAttention:
         num_heads=4,
         num_kv_heads=draw(st.sampled_from([1, 2, 4])),
         head_dim=draw(st.sampled_from([4, 8])),
-        max_seq_len=32,
         qkv_bias=draw(st.booleans()),
         out_bias=draw(st.booleans()),
         qk_norm_eps=draw(st.sampled_from([None, 1e-6])),
-        sliding_window=draw(st.sampled_from([None, 1, 2, 5])),
+        sliding_window=draw(st.sampled_from([None, 1, 2, 5, 70])),
+        max_seq_len=max_seq_len,
     )
     with torch.no_grad():
         for name, parameter in layer.named_parameters():
             if name.endswith("bias") or name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
     return layer
+
+
+
+def _poison_past(layer: MultiHeadAttention, start: int, span: int) -> None:
+    """Zeroes the unwritten slots ``start .. span - 1`` and fills the slots from ``span`` with
+    NaN: a pass that read them, masked or not, would give NaN (0 x NaN)."""
+    cache = layer.kv_cache
+    for buffer in (cache.k_cache, cache.v_cache):
+        buffer[:, :, start:span] = 0.0
+        buffer[:, :, span:] = float("nan")
+
+
+@given(featured_layers(max_seq_len=160), st.integers(1, 2), st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_default_mask_reads_only_the_filled_slots_rounded_up(
+    layer: MultiHeadAttention, b: int, chunks: list[int]
+) -> None:
+    """A pass that decides for itself attends over ``attended_slots(fill + s)`` slots, not the
+    cache's 160: poisoned slots past them change nothing, and every output matches the reference."""
+    total = sum(chunks)
+    x = torch.randn(b, total, layer.embed_dim)
+    allowed = window_band(total, layer.sliding_window).expand(b, total, total)
+    expected = reference_attention(x, layer, torch.arange(total).expand(b, total), allowed).float()
+    layer.setup_cache(b, 160, dtype=torch.float32, device="cpu")
+    outputs, start = [], 0
+    with attn.cached_inference(layer):  # continues the sequence on purpose: no warning
+        for s in chunks:
+            _poison_past(layer, start, attn.attended_slots(start + s, 160))
+            outputs.append(layer(x[:, start : start + s]))
+            start += s
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, rtol=1e-4, atol=1e-5)
+
+
+@given(featured_layers(), st.integers(1, 2), st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_a_mask_over_the_first_n_slots_attends_over_those_alone(
+    layer: MultiHeadAttention, b: int, chunks: list[int], data: st.DataObject
+) -> None:
+    """A caller's mask may cover any span of slots from the first that holds the pass's tokens;
+    the slots past it are not read (poisoned here) and the outputs match the reference."""
+    total = sum(chunks)
+    capacity = total + 6
+    x = torch.randn(b, total, layer.embed_dim)
+    allowed = window_band(total, layer.sliding_window).expand(b, total, total)
+    expected = reference_attention(x, layer, torch.arange(total).expand(b, total), allowed).float()
+    layer.setup_cache(b, capacity, dtype=torch.float32, device="cpu")
+    outputs, start = [], 0
+    with torch.no_grad():
+        for s in chunks:
+            n = data.draw(st.integers(start + s, capacity), label="n")
+            _poison_past(layer, start, n)
+            causal = torch.arange(n)[None, :] <= torch.arange(start, start + s)[:, None]  # (s, n)
+            outputs.append(layer(x[:, start : start + s], mask=causal, use_cache=True))
+            start += s
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, rtol=1e-4, atol=1e-5)
 
 
 @given(featured_layers(), st.integers(1, 2), st.lists(st.integers(1, 4), min_size=1, max_size=4))
@@ -166,8 +219,11 @@ def test_bad_mask_and_positions() -> None:
     with pytest.raises(ValueError, match=r"input_pos must have shape \(3,\) or \(2, 3\)"):
         layer(x, input_pos=torch.arange(4))
     layer.setup_cache(2, 16, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match=r"\(2, 3, 16\) or \(3, 16\) \(last dim: the cache's max_seq_len\)"):
-        layer(x, mask=torch.ones(3, 3, dtype=torch.bool), use_cache=True)
+    with pytest.raises(ValueError, match=r"\(2, 3, n\) or \(3, n\) .* 1 <= n <= 16 .* got \(3, 17\)"):
+        layer(x, mask=torch.ones(3, 17, dtype=torch.bool), use_cache=True)
+    with pytest.raises(ValueError, match=r"the mask covers the first 2 cache slots, .* at least 3 slots"):
+        with torch.inference_mode():
+            layer(x, mask=torch.ones(3, 2, dtype=torch.bool))  # the pass writes slots 0..2
     assert layer.kv_cache.size == 0
 
 

@@ -25,9 +25,9 @@ from attn.fast_decode import (
     decode_attention,
     rowwise_linear,
 )
-from attn.generation import CACHE_SLOTS_STEP
+from attn.kv_cache import SLOT_STEP
 
-from .conftest import assert_cache_unchanged, cache_state, tiny_model
+from .conftest import assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 OTHER_PROMPTS = [[7, 8], [9, 10, 11, 12]]
@@ -268,21 +268,52 @@ def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -
 
 
 @pytest.mark.slow  # two graphs of its own
-def test_a_second_cache_length_compiles_one_graph_for_every_later_length() -> None:
-    """generate sizes its own caches to each generation (multiples of 64 slots): the first
-    length compiles a static graph, the second one graph with the length as a symbol, and
-    no later length, longer or shorter, compiles anything; tokens equal eager's throughout."""
+@pytest.mark.parametrize("callers_cache", [False, True])
+def test_a_second_cache_length_compiles_one_graph_for_every_later_length(callers_cache: bool) -> None:
+    """generate attends over each generation's slots rounded up to 64, in caches of its own
+    sized so or in a caller's 256-slot cache: the first length compiles a static graph, the
+    second one graph with the length as a symbol, and no later length, longer or shorter,
+    compiles anything; the slots past the length are not read (poisoned in the caller's
+    cache), and tokens equal eager's throughout."""
     model = tiny_model(18, max_seq_len=256)
     fast = compile_for_decode(model)
     lengths = []
     for new_tokens in (10, 70, 130, 40, 10):
+        lengths.append(-(-(len(PROMPTS[0]) + new_tokens) // SLOT_STEP) * SLOT_STEP)
+        expected = attn.generate(model, PROMPTS, max_new_tokens=new_tokens).tokens  # caches of its own
+        if callers_cache:
+            model.setup_caches(len(PROMPTS), 256)
+            poison_on_reset(model, lengths[-1])
         got = attn.generate(fast, PROMPTS, max_new_tokens=new_tokens)
-        lengths.append(-(-(len(PROMPTS[0]) + new_tokens) // CACHE_SLOTS_STEP) * CACHE_SLOTS_STEP)  # generate's caches
-        assert torch.equal(got.tokens, attn.generate(model, PROMPTS, max_new_tokens=new_tokens).tokens)
+        if callers_cache:
+            model.teardown_caches()
+            del model.reset_caches
+        assert torch.equal(got.tokens, expected)
         assert fast.stats.graphs == (1 if len(set(lengths)) == 1 else 2), (lengths, fast.stats)
     assert lengths == [64, 128, 192, 64, 64] and fast.stats.dynamic_cache_length
     assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)  # symbolic length, rewritten all the same
     assert fast.stats.attention_rewritten == 2 * _layers_compiled(model)
+
+
+@pytest.mark.slow  # a graph of its own
+def test_a_plain_decode_loop_in_a_large_cache_reads_the_filled_slots_rounded_up() -> None:
+    """With no mask passed, the step attends over the filled slots rounded up to 64, as the
+    eager model does: the slots past them are not read (poisoned), and the tokens are
+    generate's."""
+    model = tiny_model(20, max_seq_len=256)
+    fast = compile_for_decode(model)
+    expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=8).generated
+    model.setup_caches(2, 256)
+    poison_on_reset(model, 64)
+    model.reset_caches()
+    tokens = []
+    with attn.cached_inference(model):
+        logits = fast(torch.tensor(PROMPTS[:1] * 2))
+        for _ in range(8):
+            tokens.append(logits[:, -1:].argmax(-1))  # (2, 1)
+            logits = fast(tokens[-1])
+    assert torch.equal(torch.cat(tokens, 1), expected)
+    assert fast.stats.graphs == 1
 
 
 @pytest.mark.slow  # a graph of its own

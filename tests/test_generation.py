@@ -12,7 +12,7 @@ from attn import generate, padded_causal_mask
 from attn.compat import CachePolicy
 from attn.generation import _draw
 
-from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, tiny_model
+from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
 
 
 def naive_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
@@ -284,14 +284,34 @@ def test_compiled_samples_compile_a_prefill_and_one_decode_graph() -> None:
     assert torch.equal(out.tokens, generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, num_samples=3).tokens)
 
 
-def test_compiled_generate_compiles_once_for_lengths_within_a_step() -> None:
-    """generate's own caches come in multiples of CACHE_SLOTS_STEP slots: a compiled model with
-    static shapes reuses its graphs for every length within one step (here 9 to 64 tokens)
-    and compiles once more past it, with the tokens of eager generation each time."""
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_a_large_cache_of_the_callers_is_read_as_far_as_a_cache_of_its_own(num_samples: int) -> None:
+    """generate attends over the prompt and new tokens rounded up (attended_slots), not over a
+    caller's whole cache: the slots past that are never read (poisoned here), and the tokens
+    and log-probs equal those of generate's own, smaller cache."""
+    model = tiny_model(16, max_seq_len=200)
+    prompts = [[1, 2, 3], [4, 5]]
+    expected = generate(model, prompts, max_new_tokens=20, num_samples=num_samples, temperature=0.0)
+    model.setup_caches(2 * num_samples, 200)
+    poison_on_reset(model, attn.attended_slots(3 + 20, 200))  # 64 slots
+    got = generate(model, prompts, max_new_tokens=20, num_samples=num_samples, temperature=0.0)
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("callers_cache", [False, True])
+def test_compiled_generate_compiles_once_for_lengths_within_a_step(callers_cache: bool) -> None:
+    """generate attends over multiples of SLOT_STEP slots, in caches of its own sized so or in
+    a caller's 200-slot cache: a compiled model with static shapes reuses its graphs for every
+    length within one step (here 9 to 64 tokens) and compiles once more past it, with the
+    tokens of eager generation each time."""
     from torch._dynamo.testing import CompileCounter
 
-    assert attn.generation.CACHE_SLOTS_STEP == 64
+    torch._dynamo.reset()  # dynamo keeps 8 graphs of TransformerDecoder.forward a process
+    assert attn.kv_cache.SLOT_STEP == 64
     model = tiny_model(15, max_seq_len=200)
+    if callers_cache:
+        model.setup_caches(2, 200)
     counter = CompileCounter()
     compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=False)
     prompts = [[1, 2, 3], [4, 5]]

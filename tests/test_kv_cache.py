@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attn import KVCache
+from attn import KVCache, attended_slots
+from attn.kv_cache import SLOT_STEP
 
 
 def _kv(b: int, h_kv: int, s: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +41,37 @@ def test_overflow_is_checked_before_writing() -> None:
         cache.update(*_kv(1, 2, 3, 4, seed=1))
     assert cache.size == 4
     assert torch.equal(cache.k_cache, before[0]) and torch.equal(cache.v_cache, before[1])
+
+
+@given(needed=st.integers(1, 5000), capacity=st.integers(1, 5000))
+def test_attended_slots_is_the_least_step_multiple_that_holds_the_tokens(needed: int, capacity: int) -> None:
+    span = attended_slots(needed, capacity)
+    if needed <= capacity:
+        assert needed <= span <= capacity
+    assert span <= capacity
+    assert span == capacity or (span % SLOT_STEP == 0 and span - SLOT_STEP < needed <= span)  # no step too many
+
+
+@given(chunks=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_update_with_a_span_returns_views_of_the_first_slots(chunks: list[int], data: st.DataObject) -> None:
+    capacity = sum(chunks) + 7
+    cache = KVCache(2, 2, capacity, 4)
+    for i, s in enumerate(chunks):
+        span = data.draw(st.integers(cache.size + s, capacity), label="span")
+        k_all, v_all = cache.update(*_kv(2, 2, s, 4, seed=i), span=span)
+        assert k_all.shape == v_all.shape == (2, 2, span, 4)
+        assert k_all.data_ptr() == cache.k_cache.data_ptr() and v_all.data_ptr() == cache.v_cache.data_ptr()
+        assert torch.equal(k_all, cache.k_cache[:, :, :span]) and torch.equal(v_all, cache.v_cache[:, :, :span])
+
+
+def test_a_span_short_of_the_new_tokens_is_refused_before_writing() -> None:
+    cache = KVCache(1, 2, 16, 4)
+    cache.update(*_kv(1, 2, 4, 4))
+    before = _state(cache)
+    with pytest.raises(ValueError, match=r"covers the first 5 cache slots, .* 2 tokens after the 4 .* at least 6"):
+        cache.update(*_kv(1, 2, 2, 4, seed=1), span=5)
+    for a, b in zip(_state(cache), before, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_batch_mismatch_is_an_error_not_a_broadcast() -> None:

@@ -39,16 +39,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.cached: torch.Tensor | None = None  # (BATCH, n) tokens the cache should hold
         self.stale = False  # weights changed since the cache was filled
         self.saved_decision = compat.cache_policy()
+        self.saved_slot_step = attn.kv_cache.SLOT_STEP
 
-    @initialize(policy=st.sampled_from(list(CachePolicy)))
-    def choose_policy(self, policy: CachePolicy) -> None:
+    @initialize(policy=st.sampled_from(list(CachePolicy)), slot_step=st.sampled_from([64, 4, 1]))
+    def choose_policy(self, policy: CachePolicy, slot_step: int) -> None:
+        """``slot_step``: attended spans round to it; below the capacities drawn, passes attend
+        over fewer slots than the cache holds, and their span grows as it fills."""
         self.policy = policy
+        attn.kv_cache.SLOT_STEP = slot_step
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", attn.CompatWarning)
             compat.set_cache_policy(policy)
 
     def teardown(self) -> None:
         compat._decision = self.saved_decision
+        attn.kv_cache.SLOT_STEP = self.saved_slot_step
 
     # -- helpers -------------------------------------------------------------------------
 
