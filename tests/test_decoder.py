@@ -228,6 +228,28 @@ def test_overflow_leaves_every_layer_unchanged() -> None:
 
 
 @pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (torch.ones(1, 2, 7, dtype=torch.bool), r"covers the first 7 cache slots, .* 2 tokens after the 6 .* at least 8"),
+        (torch.ones(1, 2, 9, dtype=torch.bool), r"\(1, 2, n\) or \(2, n\) .* 1 <= n <= 8 .* got \(1, 2, 9\)"),
+        (torch.ones(1, 3, 8, dtype=torch.bool), r"\(1, 2, n\) or \(2, n\) .* got \(1, 3, 8\)"),
+        (torch.ones(2, 8), r"mask must be a bool tensor"),
+    ],
+)
+def test_a_bad_mask_over_cache_slots_leaves_every_layer_unchanged(mask: torch.Tensor, message: str) -> None:
+    """A mask over the cache's first n slots must hold the pass's tokens and fit the cache;
+    one that does not is refused before any layer writes."""
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.randint(0, 61, (1, 6)))
+        before = cache_state(model)
+        with pytest.raises(ValueError, match=message):
+            model(torch.randint(0, 61, (1, 2)), mask=mask)
+    assert_cache_unchanged(model, before)
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         ((0, 8), r"batch_size must be a positive int, got 0"),

@@ -190,6 +190,19 @@ def test_overflow_gets_the_eager_error_and_leaves_the_cache_unchanged(fast: Deco
     assert fast.stats.graphs == 1  # the step generate compiled, reused
 
 
+def test_a_mask_short_of_the_step_gets_the_eager_error_and_leaves_the_cache_unchanged(fast: DecodeCompiled) -> None:
+    """The step's own checks run in eager code first: a mask that does not reach the slot the
+    token goes to is refused before the compiled step writes anything."""
+    model = fast.model
+    with attn.cached_inference(model):
+        model.reset_caches()
+        model(torch.randint(0, 61, (2, 5)))
+        before = cache_state(model)
+        with pytest.raises(ValueError, match=r"covers the first 5 cache slots, .* at least 6 slots"):
+            fast(torch.randint(0, 61, (2, 1)), mask=torch.ones(2, 1, 5, dtype=torch.bool))
+    assert_cache_unchanged(model, before)
+
+
 @pytest.mark.parametrize("policy_value", [None, "flag"])
 def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
     fast: DecodeCompiled, policy_value: str | None, restore_policy: None
