@@ -141,8 +141,8 @@ class MultiHeadAttention(nn.Module):
             mask: bool, True where a query may attend: (b, s, s) or (s, s) without the
                 cache; with it, (b, s, n) or (s, n) over the cache's first n slots, which must
                 hold this pass's tokens (the slots past n are not read). Default: causal, over
-                the filled slots rounded up (``attended_slots``). The sliding window, if any,
-                is applied on top.
+                the filled slots rounded up (``attended_slots``) in eager code, over every slot
+                under ``torch.compile``. The sliding window, if any, is applied on top.
             use_cache: the decision, made by the caller for the whole model, which has
                 also checked the cache's capacity; ``None`` decides and checks here.
 

@@ -306,7 +306,9 @@ class TransformerDecoder(nn.Module):
             mask: bool, True where a query may attend; (b, s, s) without the cache, (b, s,
                 n) over the cache's first n slots with it (n up to max_seq_len; they must hold
                 this pass's tokens, and the slots past them are not read). Default: causal,
-                over the filled slots rounded up (``attn.attended_slots``). See
+                over the filled slots rounded up (``attn.attended_slots``) in eager code and
+                over every slot in code that ``torch.compile`` traces, which reads no fill
+                (``attn.compile_for_decode`` passes the eager default). See
                 ``attn.padded_causal_mask`` for left-padded batches.
             last_only: compute logits for the last position only (a prompt's prefill needs
                 no more): skips the output layer for the other positions and never holds a
@@ -337,7 +339,7 @@ class TransformerDecoder(nn.Module):
         cache = first.kv_cache if use_cache else None
         check_pass_inputs(input_pos, mask, b, s, cache)
         span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None  # before any write
-        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # windows: per layer
+        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # window: per layer
         h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)

@@ -105,7 +105,6 @@ def featured_layers(draw: st.DrawFn, max_seq_len: int = 32) -> MultiHeadAttentio
     return layer
 
 
-
 def _poison_past(layer: MultiHeadAttention, start: int, span: int) -> None:
     """Zeroes the unwritten slots ``start .. span - 1`` and fills the slots from ``span`` with
     NaN: a pass that read them, masked or not, would give NaN (0 x NaN)."""
@@ -221,9 +220,11 @@ def test_bad_mask_and_positions() -> None:
     layer.setup_cache(2, 16, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"\(2, 3, n\) or \(3, n\) .* 1 <= n <= 16 .* got \(3, 17\)"):
         layer(x, mask=torch.ones(3, 17, dtype=torch.bool), use_cache=True)
-    with pytest.raises(ValueError, match=r"the mask covers the first 2 cache slots, .* at least 3 slots"):
-        with torch.inference_mode():
-            layer(x, mask=torch.ones(3, 2, dtype=torch.bool))  # the pass writes slots 0..2
+    with (
+        pytest.raises(ValueError, match=r"the mask covers the first 2 cache slots, .* at least 3 slots"),
+        torch.inference_mode(),
+    ):
+        layer(x, mask=torch.ones(3, 2, dtype=torch.bool))  # the pass writes slots 0..2
     assert layer.kv_cache.size == 0
 
 

@@ -15,6 +15,7 @@ import torch
 
 import attn
 from attn import bench, compat
+from attn.bench import run as run_module
 from attn.bench.check import check_logits, check_tokens
 from attn.bench.contenders import (
     DEFAULT_CONTENDERS,
@@ -27,7 +28,6 @@ from attn.bench.contenders import (
     llama_cpp_available,
     transformers_available,
 )
-from attn.bench import run as run_module
 from attn.bench.run import BenchSpec, run_benchmark
 from attn.compat import CachePolicy
 from attn.rope import RopeScaling
@@ -163,8 +163,14 @@ def test_json_has_every_field(result_json: dict) -> None:
 def test_probe_reads_at_least_what_a_step_reads() -> None:
     # A SmolLM2-135M-shaped model: 30 layers, tied 49,152 x 576 embedding, 9/3 heads of 64.
     config = attn.DecoderConfig(
-        vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9, num_kv_heads=3, hidden_dim=1536,
-        max_seq_len=2048, tie_embeddings=True,
+        vocab_size=49152,
+        embed_dim=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        hidden_dim=1536,
+        max_seq_len=2048,
+        tie_embeddings=True,
     )
     layer = 576 * 576 * 2 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576  # q, o; k, v; gate, up, down; two norms
     weights = (30 * layer + 576 + 49152 * 576 + 576) * 4  # layers, final norm, head, one embedding row; fp32

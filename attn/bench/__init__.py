@@ -15,7 +15,7 @@ machine's CPU)::
 
 Example::
 
-    python -m attn bench                                # the four default cells (small fp32 b1 and b8, small bf16, base)
+    python -m attn bench                                # the four default cells (small fp32 b1, b8; small bf16; base)
     python -m attn bench --config base --dtype fp32,bf16 --batch 1,8 --threads 1,2
     python -m attn bench --config tiny --repeats 1 --prompt-len 8 --new-tokens 8 --no-memory
     python -m attn bench --json bench.json --plot bench.png

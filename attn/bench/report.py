@@ -42,7 +42,8 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         samples = info.read_bandwidth_samples
         lines.append(
             f"{info.label}: prompt {info.prompt_len}, new {info.new_tokens}; read bandwidth "
-            f"{info.read_bandwidth_gb_s:.1f} GB/s ({info.probe_mb} MiB read; median of {len(samples)} samples between the runs, "
+            f"{info.read_bandwidth_gb_s:.1f} GB/s ({info.probe_mb} MiB read; median of {len(samples)} samples "
+            "between the runs, "
             f"{min(samples):.1f}-{max(samples):.1f}; fastest pass {info.read_bandwidth_best_gb_s:.1f}); "
             f"memory-bound limit {info.limit_tokens_per_s:.0f} tok/s "
             f"({info.weight_bytes_per_step / 1e6:.0f} MB weights + {info.kv_bytes_per_step / 1e6:.1f} MB cache "
