@@ -370,7 +370,7 @@ def _start_inductor_setup() -> threading.Thread:
             from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
             valid_vec_isa_list()  # cached for the process: inductor's later call returns at once
-        except Exception:
+        except Exception:  # only a head start: inductor probes again, and reports what fails
             pass
 
     thread = threading.Thread(target=probe, name="attn-inductor-setup", daemon=True)
