@@ -118,6 +118,10 @@ class KVCache(nn.Module):
         self._check_rows(batch_size)
         if torch.compiler.is_compiling():
             return None
+        if span is not None and (
+            not isinstance(span, int) or isinstance(span, bool) or not 1 <= span <= self.max_seq_len
+        ):
+            raise ValueError(f"span must be an int in [1, {self.max_seq_len}] (the cache's max_seq_len), got {span!r}")
         filled = self.size
         if filled + seq_len > self.max_seq_len:
             raise RuntimeError(

@@ -74,6 +74,16 @@ def test_a_span_short_of_the_new_tokens_is_refused_before_writing() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("span", [0, 17, 2.0, True])
+def test_a_span_outside_the_cache_is_refused_before_writing(span: object) -> None:
+    cache = KVCache(1, 2, 16, 4)
+    before = _state(cache)
+    with pytest.raises(ValueError, match=rf"span must be an int in \[1, 16\] .* got {span!r}"):
+        cache.update(*_kv(1, 2, 1, 4), span=span)  # type: ignore[arg-type]
+    for a, b in zip(_state(cache), before, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_batch_mismatch_is_an_error_not_a_broadcast() -> None:
     cache = KVCache(2, 2, 8, 4)
     with pytest.raises(ValueError, match=r"batch size 1 does not match the KV-cache batch size 2"):
