@@ -13,7 +13,9 @@ from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, loca
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import GenerationOutput, generate
 from attn.kv_cache import KVCache, attended_slots
+from attn.logprobs import CompletionLogprobs, completion_logprobs
 from attn.masks import padded_causal_mask, padding_positions
+from attn.parity import set_parity_mode
 from attn.scoring import ContinuationScore, score_continuations
 
 __version__ = "0.1.0"
@@ -31,6 +33,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CachePolicy",
     "CompatWarning",
+    "CompletionLogprobs",
     "ContinuationScore",
     "DecoderConfig",
     "GenerationOutput",
@@ -42,6 +45,7 @@ __all__ = [
     "cached_inference",
     "compat",
     "compile_for_decode",
+    "completion_logprobs",
     "disable_kv_cache",
     "generate",
     "kv_cache_mode",
@@ -50,4 +54,5 @@ __all__ = [
     "padded_causal_mask",
     "padding_positions",
     "score_continuations",
+    "set_parity_mode",
 ]

@@ -160,17 +160,30 @@ class MultiHeadAttention(nn.Module):
         span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None
         input_pos, mask = default_pos_and_mask(cache, s, x.device, input_pos, mask, self.sliding_window, span)
 
+        q, k, v = self.project(x, input_pos)
+        if cache is not None:
+            k, v = cache.update(k, v, checked=True, span=mask.shape[-1])  # each (b, h_kv, span, d)
+            q = q.to(k.dtype)
+        return self.attend(q, k, v, mask, x.dtype)
+
+    def project(self, x: torch.Tensor, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` (b, s, e) at RoPE positions ``input_pos``, (s,) or
+        (b, s): (b, h, s, d), (b, h_kv, s, d), (b, h_kv, s, d)."""
+        b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (b, s, h, d)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (b, s, h_kv, d)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (b, h_kv, s, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, s, d), (b, h_kv, s, d)
-        q = self.rope(q, input_pos)
-        k = self.rope(k, input_pos)
-        if cache is not None:
-            k, v = cache.update(k, v, checked=True, span=mask.shape[-1])  # each (b, h_kv, span, d)
-            q = q.to(k.dtype)
+        return self.rope(q, input_pos), self.rope(k, input_pos), v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``q`` (b, h, s, d) over ``k``, ``v`` (b, h_kv, L, d) under ``mask`` ((b, s, L) or (s,
+        L) bool; None: causal, s == L), through the output projection: (b, s, e) in ``dtype``."""
+        b, _, s, _ = q.shape
         gqa = self.num_heads != self.num_kv_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -178,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             attn_mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, h * d)
-        return self.o_proj(out.to(x.dtype))
+        return self.o_proj(out.to(dtype))
 
 
 def check_cached_pass(cache: KVCache, b: int, s: int, mask: torch.Tensor | None) -> int | None:

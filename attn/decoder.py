@@ -8,6 +8,7 @@ maps onto it one tensor at a time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from attn import compat
 from attn.attention import MultiHeadAttention, check_cached_pass, check_pass_inputs, default_pos_and_mask
 from attn.kv_cache import KVCache
 from attn.norm import RMSNorm
+from attn.parity import ParityKernels
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
 
@@ -160,6 +162,8 @@ class TransformerDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
+
 
     # -- caches ------------------------------------------------------------------------
 
@@ -340,6 +344,23 @@ class TransformerDecoder(nn.Module):
         check_pass_inputs(input_pos, mask, b, s, cache)
         span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None  # before any write
         input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # window: per layer
+        if self.parity:
+            return self._parity_logits(tokens, input_pos, mask, use_cache, last_only)
+        return self._logits(tokens, input_pos, mask, use_cache, last_only)
+
+    @torch.compiler.disable  # inductor would fuse and reorder what parity mode keeps in order
+    def _parity_logits(self, *args: object) -> torch.Tensor:
+        with self.kernels():
+            return self._logits(*args)
+
+    def kernels(self) -> contextlib.AbstractContextManager[object]:
+        """The kernels this model's passes run with: parity mode's (``attn.parity``) or the
+        default ones. Every forward, and ``attn.completion_logprobs``, runs inside it."""
+        return ParityKernels() if self.parity else contextlib.nullcontext()
+
+    def _logits(
+        self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, use_cache: bool, last_only: bool
+    ) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
             h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)

@@ -486,6 +486,7 @@ class DecodeCompiled(nn.Module):
         """
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
+        _refuse_parity_mode(self.model)
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
         if use_cache and not checked:  # before anything is written
@@ -539,4 +540,16 @@ def compile_for_decode(
         raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")
     if model.training:
         raise ValueError("compile_for_decode is for inference: call model.eval() first")
+    _refuse_parity_mode(model)
     return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits)
+
+
+def _refuse_parity_mode(model: nn.Module) -> None:
+    """The compiled step's rewritten kernels cannot keep parity mode's order (``attn.parity``)."""
+    if getattr(model, "parity", False):
+        raise RuntimeError(
+            "compile_for_decode: the model is in parity mode, whose decode steps must compute "
+            "exactly as its training forward does; a compiled step fuses and reorders those "
+            "ops. Generate with the model itself (attn.generate(model, ...)), or call "
+            "attn.set_parity_mode(model, False) for the fast compiled step"
+        )

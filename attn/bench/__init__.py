@@ -164,6 +164,21 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
+        "--rl",
+        action="store_true",
+        help=(
+            "instead of decode speed: a GRPO step's log-prob passes with each prompt run once against the "
+            "B x G full forward, parity mode's cost per phase and its log-prob gap (default: the SmolLM2-135M "
+            "shape, fp32, 2 threads; --config/--dtype/--threads/--repeats apply)"
+        ),
+    )
+    parser.add_argument(
+        "--rl-shape",
+        type=_int_list,
+        default=[2, 8, 512, 128],
+        help="with --rl: B,G,P,N (prompts, completions per prompt, prompt and completion tokens; default 2,8,512,128)",
+    )
+    parser.add_argument(
         "--workloads-compile",
         action="store_true",
         help="with --workloads: both GRPO sides decode with attn.compile_for_decode",
@@ -294,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.workloads:
         return _run_workloads(args, parser)
+    if args.rl:
+        return _run_rl(args, parser)
     try:
         spec = _spec(args)
         targets = None if args.targets is None else Targets.from_file(args.targets)
@@ -346,3 +363,28 @@ def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     )
     print(format_workloads(results, machine))
     return 0 if all(r.agree for r in results) else 1
+
+
+def _run_rl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from attn.bench.measure import read_bandwidth
+    from attn.bench.rl import SMOLLM2_135M, RLSpec, format_rl, run_rl
+
+    config = SMOLLM2_135M
+    if args.config:
+        try:
+            _, config, _ = _resolve_config(_split_config(args.config[0])[0], 0)
+        except ValueError as error:
+            parser.error(str(error))
+    dtype = _DTYPES.get((args.dtype or "fp32").split(",")[0].strip())
+    if dtype is None:
+        parser.error(f"unknown --dtype {args.dtype!r}; choose from {', '.join(_DTYPES)}")
+    if len(args.rl_shape) != 4 or min(args.rl_shape) <= 0:
+        parser.error(f"--rl-shape takes four positive ints B,G,P,N, got {args.rl_shape}")
+    threads = (args.threads or [2])[0]
+    bandwidth, _ = read_bandwidth(threads)
+    machine = f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
+    spec = RLSpec(config, dtype=dtype, threads=threads, group=tuple(args.rl_shape), repeats=max(args.repeats, 1), seed=args.seed)
+    comparisons, costs, gaps = run_rl(spec)
+    print(format_rl(comparisons, costs, gaps, spec, machine))
+    parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "parity")
+    return 0 if parity_exact and all("DIFFER" not in c.detail for c in comparisons) else 1

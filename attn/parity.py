@@ -1,0 +1,221 @@
+"""Parity mode: every forward computes a token's logits the same way, bit for bit, whatever
+the pass (cached decode, chunked prefill, full pass, training pass with grad), the batch it
+shares, or its padding. Generation's log-probs then equal the training forward's: an RL
+loop's importance ratio is exactly 1 on-policy.
+
+Shapes: b = batch, h = heads, h_kv = kv heads, g = h / h_kv, s = queries, L = keys,
+d = head dim, M = rows of a product, K = its inner dim, N = its output dim.
+
+The default kernels are not invariant: a linear's row depends on how many rows the product
+has (MKL and oneDNN choose their kernels by shape, measured in docs/parity.md), and a fused
+attention kernel sums one query's keys in another order than many queries'. Parity mode
+swaps three functions while a model's forward runs (``ParityKernels``, a
+``TorchFunctionMode``, so adapters' linears such as peft's LoRA are covered too):
+
+- ``F.linear``: the rows go through products of exactly ``ROWS`` rows each (the last one
+  zero-padded), so every row meets the same kernel, whatever the pass's row count
+  (``invariant_linear``).
+- ``F.scaled_dot_product_attention``: the scores and the weighted sum in float64
+  (``exact_attention``). A product of two bf16 (or fp32) numbers is exact in float64 and the
+  sums carry 29 bits more than an fp32 result keeps, so the order in which keys are summed,
+  how many masked keys a pass carries, and where padding puts them change nothing once the
+  result is rounded back.
+- ``F.silu``: in float64 too, for the same reason (a vectorised and a scalar ``exp`` may
+  differ in the last bit, and which one an element meets depends on the tensor's size).
+
+Every other op in the model is an exact IEEE operation or a per-row reduction whose order
+does not depend on the row count. The price is speed (``python -m attn bench --parity``);
+the default mode stays the fast one. A compiled model runs its parity-mode forward in eager
+code (``torch.compiler.disable``): inductor would fuse and reorder these ops, and the
+equality would not hold (measured: a bf16 forward compiled by inductor differs from eager).
+``attn.compile_for_decode`` refuses a model in parity mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ROWS", "ParityKernels", "exact_attention", "invariant_linear", "set_parity_mode"]
+
+# Rows in every product a parity-mode linear runs. Measured on the Intel Xeon (AMX) and AMD
+# EPYC kinds, bf16 and fp32: a row's result in a 16-row product does not depend on the
+# row's place in it, and 16 rows cost a decode step little more than one (docs/parity.md).
+ROWS = 16
+
+
+def _chunked_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` (M, K), ``weight`` (N, K), one ``ROWS``-row product at a time."""
+    m = x.shape[0]
+    padded = x.new_zeros((-(-m // ROWS) * ROWS, x.shape[1]))  # (M', K), M' a multiple of ROWS
+    padded[:m] = x
+    out = x.new_empty((padded.shape[0], weight.shape[0]))  # (M', N)
+    weight_t = weight.t()
+    for start in range(0, padded.shape[0], ROWS):
+        torch.mm(padded[start : start + ROWS], weight_t, out=out[start : start + ROWS])
+    return out[:m]
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """Forward in ``ROWS``-row products; backward as one product each (gradients need not be
+    bitwise, and a (M, K) x (K, N) product is far faster than M / ROWS of them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, weight)
+        return _chunked_product(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None  # (M, K)
+        grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None  # (N, K)
+        return grad_x, grad_weight
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose every output row is the same bits whatever the other rows are.
+
+    Args:
+        x: (..., K).
+        weight: (N, K).
+        bias: (N,) or None; added after the product.
+
+    Returns:
+        (..., N), in the dtype ``F.linear`` gives.
+    """
+    if x.dtype != weight.dtype:
+        raise ValueError(f"invariant_linear: input dtype {x.dtype} differs from the weight's {weight.dtype}")
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    out = _InvariantLinear.apply(rows, weight)  # (M, N)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of float64 scores, 0 for a row with no key it may attend
+    (a padding query): no NaN that a zero weight could carry into a real row."""
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    return weights / torch.where(total == 0, 1.0, total)
+
+
+class _ExactAttention(torch.autograd.Function):
+    """Attention in float64 that saves only q, k, v and the mask for backward (the (s, L)
+    probabilities are recomputed: float64 scores of a training pass would not fit)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):  # type: ignore[no-untyped-def, override]
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale = scale
+        probs = _probabilities(_scores(q, k, mask, scale))  # (b, h_kv, g, s, L)
+        return (probs @ v.double()[:, :, None]).to(q.dtype)  # (b, h_kv, g, s, d)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        q, k, v, mask = ctx.saved_tensors
+        probs = _probabilities(_scores(q, k, mask, ctx.scale))  # (b, h_kv, g, s, L)
+        grad = grad.double()
+        v64 = v.double()[:, :, None]  # (b, h_kv, 1, L, d)
+        grad_v = (probs.transpose(-1, -2) @ grad).sum(2)  # (b, h_kv, L, d)
+        grad_probs = grad @ v64.transpose(-1, -2)  # (b, h_kv, g, s, L)
+        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) * ctx.scale
+        grad_q = grad_scores @ k.double()[:, :, None]  # (b, h_kv, g, s, d)
+        grad_k = (grad_scores.transpose(-1, -2) @ q.double()).sum(2)  # (b, h_kv, L, d)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = (q.double() @ k.double()[:, :, None].transpose(-1, -2)) * scale  # (b, h_kv, g, s, L)
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (its arguments) computed in float64, so that a
+    query's result does not depend on how many queries, keys or masked slots the pass has.
+
+    Args:
+        q: (b, h, s, d).
+        k, v: (b, h_kv, L, d), h a multiple of h_kv.
+        attn_mask: bool, True where a query may attend, broadcastable to (b, h, s, L).
+        is_causal: query i attends to keys 0..i (s == L).
+
+    Returns:
+        (b, h, s, d) in q's dtype. A query with no key to attend gets zeros (SDPA: NaN or 0).
+    """
+    if dropout_p:
+        raise ValueError(f"parity mode runs attention without dropout, got dropout_p={dropout_p}")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise ValueError(f"parity mode takes a bool attention mask, got {attn_mask.dtype}")
+    b, h, s, d = q.shape
+    h_kv, L = k.shape[1], k.shape[2]
+    if h != h_kv and not enable_gqa:
+        raise ValueError(f"{h} query heads against {h_kv} key heads need enable_gqa=True")
+    if is_causal:
+        attn_mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
+    mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device) if attn_mask is None else attn_mask
+    mask = mask.expand(b, h, s, L).reshape(b, h_kv, h // h_kv, s, L)  # (b, h_kv, g, s, L)
+    q = q.reshape(b, h_kv, h // h_kv, s, d)  # (b, h_kv, g, s, d)
+    out = _ExactAttention.apply(q, k, v, mask, 1.0 / math.sqrt(d) if scale is None else scale)
+    return out.reshape(b, h, s, d)
+
+
+def _exact_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    if inplace:
+        raise ValueError("parity mode computes silu out of place; call F.silu(x) without inplace=True")
+    return F.silu(x.double()).to(x.dtype)
+
+
+class ParityKernels(TorchFunctionMode):
+    """While active, ``F.linear``, ``F.scaled_dot_product_attention`` and ``F.silu`` run
+    their parity-mode forms (the module doc); every other function runs as it is."""
+
+    _SWAPS = {
+        F.linear: invariant_linear,
+        F.scaled_dot_product_attention: exact_attention,
+        F.silu: _exact_silu,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        swap = self._SWAPS.get(func)
+        return (swap or func)(*args, **(kwargs or {}))
+
+
+def set_parity_mode(model: torch.nn.Module, enabled: bool = True) -> None:
+    """Turns parity mode on (or off) for every forward of ``model`` from now on.
+
+    Args:
+        model: a ``TransformerDecoder``, or a ``torch.compile`` of one (whose forward then
+            runs eagerly in parity mode).
+        enabled: ``True`` for parity mode, ``False`` for the default, fast kernels.
+
+    Example::
+
+        attn.set_parity_mode(policy)
+        out = attn.generate(policy, prompts, max_new_tokens=64, temperature=1.0, num_samples=8)
+        new = attn.completion_logprobs(policy, ...)      # with grad: equals out.logprobs bit for bit
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_parity_mode: enabled must be a bool, got {enabled!r}")
+    target = getattr(model, "_orig_mod", model)  # a torch.compile of the model: the model itself
+    if "parity" not in vars(target):
+        raise ValueError(
+            f"set_parity_mode takes an attn.TransformerDecoder (or a torch.compile of one), got a "
+            f"{type(model).__name__}; attn.compile_for_decode refuses parity mode: set it on the model"
+        )
+    target.parity = enabled

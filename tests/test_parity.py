@@ -1,0 +1,206 @@
+"""attn/parity.py: the invariant kernels against naive references, and parity mode's promise:
+generation's log-probs equal the training forward's, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounter
+
+import attn
+from attn.parity import ROWS, exact_attention, invariant_linear
+
+from .conftest import assert_cache_unchanged, cache_state, tiny_model
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+@given(
+    rows=st.integers(1, 3 * ROWS + 5),
+    inner=st.integers(1, 80),
+    outer=st.integers(1, 70),
+    dtype=DTYPES,
+    bias=st.booleans(),
+    data=st.data(),
+)
+def test_invariant_linear_rows_do_not_depend_on_the_batch(rows, inner, outer, dtype, bias, data) -> None:
+    torch.manual_seed(rows * 1000 + inner)
+    x = torch.randn(rows, inner).to(dtype)
+    weight = torch.randn(outer, inner).to(dtype)
+    b = torch.randn(outer).to(dtype) if bias else None
+    out = invariant_linear(x, weight, b)  # (rows, outer)
+    torch.testing.assert_close(out.float(), F.linear(x.double(), weight.double(), None if b is None else b.double()).float(), **_tol(dtype, inner))
+    row = data.draw(st.integers(0, rows - 1))
+    alone = invariant_linear(x[row : row + 1], weight, b)
+    assert torch.equal(out[row : row + 1], alone)
+    shuffled = torch.randperm(rows)
+    assert torch.equal(invariant_linear(x[shuffled], weight, b), out[shuffled])
+
+
+def _tol(dtype: torch.dtype, inner: int) -> dict[str, float]:
+    return {"atol": 1e-4 * inner, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2 * inner**0.5, "rtol": 2e-2}
+
+
+def test_invariant_linear_gradients_match_f_linear() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(37, 24, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 24, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(37, 11, dtype=torch.float64)
+    ours = torch.autograd.grad(invariant_linear(x, weight, bias), (x, weight, bias), grad)
+    theirs = torch.autograd.grad(F.linear(x, weight, bias), (x, weight, bias), grad)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def naive_attention(q, k, v, allowed):
+    """softmax(q k^T / sqrt(d)) v in float64, key heads repeated for each query head."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+@given(
+    b=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    s=st.integers(1, 9),
+    extra=st.integers(0, 9),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(b, kv_heads, group, s, extra, dtype, seed) -> None:
+    torch.manual_seed(seed)
+    L, h, d = s + extra, kv_heads * group, 8
+    q = torch.randn(b, h, s, d).to(dtype)
+    k, v = torch.randn(b, kv_heads, L, d).to(dtype), torch.randn(b, kv_heads, L, d).to(dtype)
+    allowed = torch.rand(b, 1, s, L) < 0.7
+    allowed[..., 0] = True  # every query sees a key
+    out = exact_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, allowed), **({} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}))
+    order = torch.randperm(L)  # the same keys in another order, and two masked keys more
+    junk = torch.randn(b, kv_heads, 2, d).to(dtype)
+    k2, v2 = torch.cat((k[:, :, order], junk), 2), torch.cat((v[:, :, order], junk), 2)
+    allowed2 = torch.cat((allowed[..., order], torch.zeros(b, 1, s, 2, dtype=torch.bool)), -1)
+    assert torch.equal(exact_attention(q, k2, v2, attn_mask=allowed2, enable_gqa=True), out)
+
+
+def test_exact_attention_causal_gradients_and_a_query_with_no_key() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = exact_attention(q, k, v, is_causal=True)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    torch.testing.assert_close(out, naive_attention(q, k, v, causal))
+    grad = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), grad)
+    theirs = torch.autograd.grad(naive_attention(q, k, v, causal), (q, k, v), grad)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+    nothing = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+    assert torch.equal(exact_attention(q, k, v, attn_mask=nothing), torch.zeros_like(q))
+
+
+def training_logprobs(model, tokens, positions, mask, prompt_length, targets, temperature=1.0):
+    """The policy's training forward: train mode, grad on, logits of every position."""
+    model.train()
+    try:
+        logits = model(tokens, input_pos=positions, mask=mask)
+    finally:
+        model.eval()
+    assert logits.requires_grad
+    shifted = logits[:, prompt_length - 1 : -1].float() / temperature
+    return shifted.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=9), min_size=1, max_size=3),
+    samples=st.integers(1, 3),
+    steps=st.integers(1, 7),
+    dtype=DTYPES,
+    kv_heads=st.sampled_from([1, 2, 4]),
+    window=st.sampled_from([None, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_generation_logprobs_equal_the_training_forward_bit_for_bit(prompts, samples, steps, dtype, kv_heads, window, seed) -> None:
+    model = tiny_model(seed % 7, num_kv_heads=kv_heads, sliding_window=window).to(dtype)
+    attn.set_parity_mode(model)
+    generator = torch.Generator().manual_seed(seed)
+    out = attn.generate(model, prompts, max_new_tokens=steps, temperature=1.0, num_samples=samples, generator=generator, return_logits=True)
+    P, valid = out.prompt_length, out.generated_mask
+    trained = training_logprobs(model, out.tokens, out.positions, attn.padded_causal_mask(out.padding_mask), P, out.generated)
+    sampled = out.logits.log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
+    assert torch.equal(trained[valid], sampled[valid])
+    assert torch.equal(trained[valid], out.logprobs[valid])
+    # Each row alone, unpadded and in a batch of one: another padding, another batch.
+    row = seed % out.tokens.shape[0]
+    alone = out.tokens[row][out.padding_mask[row]][None]  # (1, real tokens)
+    prompt_len = len(prompts[row // samples])
+    targets = alone[:, prompt_len:]
+    trained_alone = training_logprobs(model, alone, None, None, prompt_len, targets)
+    assert torch.equal(trained_alone[0], trained[row, : targets.shape[1]])
+
+
+def test_a_prefill_in_chunks_gives_the_full_forwards_logits() -> None:
+    model = tiny_model(3).to(torch.bfloat16)
+    attn.set_parity_mode(model)
+    tokens = torch.randint(1, 60, (2, 12))
+    full = model(tokens)
+    model.setup_caches(2, 32)
+    with attn.cached_inference(model):
+        chunks = [model(tokens[:, :5]), model(tokens[:, 5:6]), model(tokens[:, 6:])]
+    assert torch.equal(torch.cat(chunks, 1), full)
+
+
+def test_parity_mode_keeps_the_cache_contract() -> None:
+    model = tiny_model(4)
+    attn.set_parity_mode(model)
+    model.setup_caches(1, 32)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]))
+    before = cache_state(model)
+    with torch.no_grad():
+        model(torch.tensor([[4, 5, 6, 7]]))
+    model(torch.tensor([[4, 5, 6, 7]])).sum().backward()
+    assert_cache_unchanged(model, before)
+
+
+def test_torch_compile_runs_parity_mode_eagerly_and_keeps_the_equality() -> None:
+    model = tiny_model(5).to(torch.bfloat16)
+    attn.set_parity_mode(model)
+    tokens = torch.randint(1, 60, (2, 7))
+    eager = model(tokens)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    assert torch.equal(compiled(tokens), eager)
+    assert counter.op_count <= 2  # the checks before the parity forward: no layer was compiled
+
+
+def test_compile_for_decode_refuses_parity_mode() -> None:
+    model = tiny_model(6)
+    attn.set_parity_mode(model)
+    with pytest.raises(RuntimeError, match="parity mode.*set_parity_mode\\(model, False\\)"):
+        attn.compile_for_decode(model)
+    attn.set_parity_mode(model, False)
+    fast = attn.compile_for_decode(model)
+    attn.set_parity_mode(model)  # turned on after compiling: the step refuses too
+    model.setup_caches(1, 16)
+    with attn.cached_inference(model), pytest.raises(RuntimeError, match="parity mode"):
+        fast(torch.tensor([[3]]))
+    assert int(model.kv_caches()[0].cache_pos) == 0
+
+
+def test_set_parity_mode_rejects_what_it_cannot_set() -> None:
+    model = tiny_model(0)
+    with pytest.raises(ValueError, match="must be a bool, got 1"):
+        attn.set_parity_mode(model, 1)
+    with pytest.raises(ValueError, match="got a Linear"):
+        attn.set_parity_mode(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="got a DecodeCompiled; attn.compile_for_decode refuses"):
+        attn.set_parity_mode(attn.compile_for_decode(model))
+    assert model.parity is False
+    attn.set_parity_mode(torch.compile(model, backend="eager"))  # sets it on the model itself
+    assert model.parity is True
