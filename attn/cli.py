@@ -221,9 +221,11 @@ def _run_info(args: argparse.Namespace) -> int:
     import torch
 
     from attn import __version__, compat
+    from attn.parity import modes_report
 
     print(f"attn:                {__version__}")
     print(compat.compat_report(probe=args.probe))
+    print(modes_report())
     print(f"python:              {platform.python_version()} ({platform.python_implementation()})")
     print(f"platform:            {platform.platform()}")
     print(f"threads:             {torch.get_num_threads()}")

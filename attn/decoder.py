@@ -164,7 +164,6 @@ class TransformerDecoder(nn.Module):
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
 
-
     # -- caches ------------------------------------------------------------------------
 
     def _attention(self) -> list[MultiHeadAttention]:

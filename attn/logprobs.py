@@ -107,7 +107,7 @@ def _shared_prefix_hidden(
 ) -> torch.Tensor:
     """The final hidden states that predict each completion token: (R, N, e), row r's first
     from its prompt's last position, the rest from its own tokens 0 .. N - 2."""
-    B, P = prompt_tokens.shape
+    P = prompt_tokens.shape[1]
     R, N = completion_tokens.shape
     device = prompt_tokens.device
     window = model.config.sliding_window
@@ -115,8 +115,12 @@ def _shared_prefix_hidden(
     completion_pos = prompt_valid.sum(-1).repeat_interleave(rows_per_prompt)[:, None] + torch.arange(N, device=device)
     prompt_slots, completion_slots = torch.arange(P, device=device), P + torch.arange(N, device=device)
     prompt_mask = _slot_mask(prompt_valid, prompt_slots, prompt_slots, window)  # (B, P, P)
-    keys_valid = torch.cat((prompt_valid.repeat_interleave(rows_per_prompt, 0), torch.ones(R, N, dtype=torch.bool, device=device)), 1)
-    completion_mask = _slot_mask(keys_valid, completion_slots, torch.arange(P + N, device=device), window)  # (R, N, P + N)
+    keys_valid = torch.cat(
+        (prompt_valid.repeat_interleave(rows_per_prompt, 0), torch.ones(R, N, dtype=torch.bool, device=device)), 1
+    )
+    completion_mask = _slot_mask(
+        keys_valid, completion_slots, torch.arange(P + N, device=device), window
+    )  # (R, N, P + N)
     prompt_h = model.tok_embeddings(prompt_tokens)  # (B, P, e)
     completion_h = model.tok_embeddings(completion_tokens)  # (R, N, e)
     for layer in model.layers:

@@ -34,12 +34,13 @@ equality would not hold (measured: a bf16 forward compiled by inductor differs f
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ROWS", "ParityKernels", "exact_attention", "invariant_linear", "set_parity_mode"]
+__all__ = ["ROWS", "ParityKernels", "exact_attention", "invariant_linear", "modes_report", "set_parity_mode"]
 
 # Rows in every product a parity-mode linear runs. Measured on the Intel Xeon (AMX) and AMD
 # EPYC kinds, bf16 and fp32: a row's result in a 16-row product does not depend on the
@@ -185,7 +186,7 @@ class ParityKernels(TorchFunctionMode):
     """While active, ``F.linear``, ``F.scaled_dot_product_attention`` and ``F.silu`` run
     their parity-mode forms (the module doc); every other function runs as it is."""
 
-    _SWAPS = {
+    _SWAPS: ClassVar[dict[object, object]] = {
         F.linear: invariant_linear,
         F.scaled_dot_product_attention: exact_attention,
         F.silu: _exact_silu,
@@ -219,3 +220,19 @@ def set_parity_mode(model: torch.nn.Module, enabled: bool = True) -> None:
             f"{type(model).__name__}; attn.compile_for_decode refuses parity mode: set it on the model"
         )
     target.parity = enabled
+
+
+def modes_report() -> str:
+    """What each kernel mode promises, for ``attn info``."""
+    return "\n".join(
+        [
+            "kernels (attn.set_parity_mode(model, on)):",
+            "  default:           the fast kernels (SDPA, BLAS); generation's and training's log-probs agree to",
+            "                     float rounding (fp32: ~1e-6; bf16: up to ~0.2 abs on a 30-layer model)",
+            f"  parity mode:       every forward computes a token's logits bit for bit alike (linears in "
+            f"{ROWS}-row products,",
+            "                     attention and silu in float64): generate's log-probs == the training",
+            "                     forward's, eager;"
+            "                     a torch.compile'd model runs it eagerly, compile_for_decode refuses it",
+        ]
+    )

@@ -351,3 +351,19 @@ def test_workloads_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--workloads", "--config", "tiny", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "read bandwidth" in out and "speedup" in out and "DIFFER" not in out
+
+
+def test_rl_runs_every_comparison_and_parity_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--rl", "--config", "tiny", "--rl-shape", "2,3,16,8", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "logprobs: log-probs agree" in out and "target >= 3.0x" in out and "target >= 1.5x" in out
+    assert "peak RSS" in out and "read bandwidth" in out
+    for phase in ("prefill (2 x 16)", "decode step (6 rows)", "policy step"):
+        assert f"  {phase}" in out
+    assert "attn parity          max |diff| 0;" in out and "transformers" in out
+
+
+def test_rl_refuses_a_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--rl", "--config", "tiny", "--rl-shape", "2,3,16"])
+    assert "--rl-shape takes four positive ints B,G,P,N, got [2, 3, 16]" in capsys.readouterr().err

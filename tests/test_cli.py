@@ -32,7 +32,15 @@ def test_demo_subprocess_writes_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "training: 100%" in proc.stderr and "20/20" in proc.stderr  # tqdm's bar
-    for section in ("1. train", "2. eval", "3. PPO", "4. LoRA-PPO", "5. every kind of pass", "tokens/s"):
+    for section in (
+        "1. train",
+        "2. eval",
+        "3. PPO",
+        "4. LoRA-PPO",
+        "5. GRPO in bf16 parity mode",
+        "6. every kind of pass",
+        "tokens/s",
+    ):
         assert section in proc.stdout, section
     result = json.loads(path.read_text())
     assert result["ok"] is True and result["violations"] == []
@@ -126,6 +134,7 @@ def test_info(capsys: pytest.CaptureFixture) -> None:
     assert decision.reason in out
     assert "traces is_inference:" in out and "python:" in out and "platform:" in out
     assert "probe" not in out
+    assert "parity mode:" in out and "generate's log-probs == the training" in out
 
 
 def test_info_probe(capsys: pytest.CaptureFixture) -> None:

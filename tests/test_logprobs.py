@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attn
-from attn.demo.lora import add_lora, adapters_enabled
+from attn.demo.lora import adapters_enabled, add_lora
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -30,7 +30,9 @@ def full_forward_logprobs(model, prompts, groups, temperature=1.0):
 
 ids = st.integers(0, 60)
 groups_strategy = st.lists(
-    st.tuples(st.lists(ids, min_size=1, max_size=8), st.lists(st.lists(ids, min_size=1, max_size=6), min_size=1, max_size=3)),
+    st.tuples(
+        st.lists(ids, min_size=1, max_size=8), st.lists(st.lists(ids, min_size=1, max_size=6), min_size=1, max_size=3)
+    ),
     min_size=1,
     max_size=3,
 )
@@ -83,8 +85,18 @@ def test_old_policy_logprobs_of_a_generation_are_exact_with_lora_on_and_off() ->
             parameter.add_(0.05 * torch.randn_like(parameter))  # adapters that change the output
     attn.set_parity_mode(model)
     prompts, G = [[5, 6, 7], [9, 10, 11, 12, 13]], 3
-    out = attn.generate(model, prompts, max_new_tokens=6, temperature=1.0, num_samples=G, generator=torch.Generator().manual_seed(1))
-    groups = [[row[real].tolist() for row, real in zip(out.generated[i * G : (i + 1) * G], out.generated_mask[i * G : (i + 1) * G], strict=True)] for i in range(2)]
+    out = attn.generate(
+        model, prompts, max_new_tokens=6, temperature=1.0, num_samples=G, generator=torch.Generator().manual_seed(1)
+    )
+    groups = [
+        [
+            row[real].tolist()
+            for row, real in zip(
+                out.generated[i * G : (i + 1) * G], out.generated_mask[i * G : (i + 1) * G], strict=True
+            )
+        ]
+        for i in range(2)
+    ]
     new = attn.completion_logprobs(model, prompts, groups)  # with grad: the policy's step
     assert new.logprobs.requires_grad
     assert torch.equal(new.logprobs[new.mask], out.logprobs[out.generated_mask])

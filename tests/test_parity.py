@@ -32,7 +32,11 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(rows, inner, outer, dt
     weight = torch.randn(outer, inner).to(dtype)
     b = torch.randn(outer).to(dtype) if bias else None
     out = invariant_linear(x, weight, b)  # (rows, outer)
-    torch.testing.assert_close(out.float(), F.linear(x.double(), weight.double(), None if b is None else b.double()).float(), **_tol(dtype, inner))
+    torch.testing.assert_close(
+        out.float(),
+        F.linear(x.double(), weight.double(), None if b is None else b.double()).float(),
+        **_tol(dtype, inner),
+    )
     row = data.draw(st.integers(0, rows - 1))
     alone = invariant_linear(x[row : row + 1], weight, b)
     assert torch.equal(out[row : row + 1], alone)
@@ -73,7 +77,9 @@ def naive_attention(q, k, v, allowed):
     dtype=DTYPES,
     seed=st.integers(0, 2**16),
 )
-def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(b, kv_heads, group, s, extra, dtype, seed) -> None:
+def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(
+    b, kv_heads, group, s, extra, dtype, seed
+) -> None:
     torch.manual_seed(seed)
     L, h, d = s + extra, kv_heads * group, 8
     q = torch.randn(b, h, s, d).to(dtype)
@@ -81,7 +87,11 @@ def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(b, 
     allowed = torch.rand(b, 1, s, L) < 0.7
     allowed[..., 0] = True  # every query sees a key
     out = exact_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    torch.testing.assert_close(out.double(), naive_attention(q, k, v, allowed), **({} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}))
+    torch.testing.assert_close(
+        out.double(),
+        naive_attention(q, k, v, allowed),
+        **({} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}),
+    )
     order = torch.randperm(L)  # the same keys in another order, and two masked keys more
     junk = torch.randn(b, kv_heads, 2, d).to(dtype)
     k2, v2 = torch.cat((k[:, :, order], junk), 2), torch.cat((v[:, :, order], junk), 2)
@@ -125,13 +135,25 @@ def training_logprobs(model, tokens, positions, mask, prompt_length, targets, te
     window=st.sampled_from([None, 3]),
     seed=st.integers(0, 1000),
 )
-def test_generation_logprobs_equal_the_training_forward_bit_for_bit(prompts, samples, steps, dtype, kv_heads, window, seed) -> None:
+def test_generation_logprobs_equal_the_training_forward_bit_for_bit(
+    prompts, samples, steps, dtype, kv_heads, window, seed
+) -> None:
     model = tiny_model(seed % 7, num_kv_heads=kv_heads, sliding_window=window).to(dtype)
     attn.set_parity_mode(model)
     generator = torch.Generator().manual_seed(seed)
-    out = attn.generate(model, prompts, max_new_tokens=steps, temperature=1.0, num_samples=samples, generator=generator, return_logits=True)
+    out = attn.generate(
+        model,
+        prompts,
+        max_new_tokens=steps,
+        temperature=1.0,
+        num_samples=samples,
+        generator=generator,
+        return_logits=True,
+    )
     P, valid = out.prompt_length, out.generated_mask
-    trained = training_logprobs(model, out.tokens, out.positions, attn.padded_causal_mask(out.padding_mask), P, out.generated)
+    trained = training_logprobs(
+        model, out.tokens, out.positions, attn.padded_causal_mask(out.padding_mask), P, out.generated
+    )
     sampled = out.logits.log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
     assert torch.equal(trained[valid], sampled[valid])
     assert torch.equal(trained[valid], out.logprobs[valid])
@@ -182,7 +204,7 @@ def test_torch_compile_runs_parity_mode_eagerly_and_keeps_the_equality() -> None
 def test_compile_for_decode_refuses_parity_mode() -> None:
     model = tiny_model(6)
     attn.set_parity_mode(model)
-    with pytest.raises(RuntimeError, match="parity mode.*set_parity_mode\\(model, False\\)"):
+    with pytest.raises(RuntimeError, match=r"parity mode.*set_parity_mode\(model, False\)"):
         attn.compile_for_decode(model)
     attn.set_parity_mode(model, False)
     fast = attn.compile_for_decode(model)
@@ -199,7 +221,7 @@ def test_set_parity_mode_rejects_what_it_cannot_set() -> None:
         attn.set_parity_mode(model, 1)
     with pytest.raises(ValueError, match="got a Linear"):
         attn.set_parity_mode(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="got a DecodeCompiled; attn.compile_for_decode refuses"):
+    with pytest.raises(ValueError, match="got a DecodeCompiled; attn\\.compile_for_decode refuses"):
         attn.set_parity_mode(attn.compile_for_decode(model))
     assert model.parity is False
     attn.set_parity_mode(torch.compile(model, backend="eager"))  # sets it on the model itself

@@ -382,9 +382,13 @@ def _run_rl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--rl-shape takes four positive ints B,G,P,N, got {args.rl_shape}")
     threads = (args.threads or [2])[0]
     bandwidth, _ = read_bandwidth(threads)
-    machine = f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
-    spec = RLSpec(config, dtype=dtype, threads=threads, group=tuple(args.rl_shape), repeats=max(args.repeats, 1), seed=args.seed)
+    machine = (
+        f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
+    )
+    spec = RLSpec(
+        config, dtype=dtype, threads=threads, group=tuple(args.rl_shape), repeats=max(args.repeats, 1), seed=args.seed
+    )
     comparisons, costs, gaps = run_rl(spec)
     print(format_rl(comparisons, costs, gaps, spec, machine))
-    parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "parity")
+    parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "attn parity")
     return 0 if parity_exact and all("DIFFER" not in c.detail for c in comparisons) else 1

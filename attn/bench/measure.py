@@ -13,11 +13,12 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Stats", "memory_info", "peak_rss_mb", "read_bandwidth", "reset_peak_rss", "rss_mb"]
+__all__ = ["Stats", "alternate", "memory_info", "peak_rss_mb", "read_bandwidth", "reset_peak_rss", "rss_mb", "timed"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,27 @@ class Stats:
         if not values:
             raise ValueError("Stats.of needs at least one value")
         return cls(statistics.median(values), min(values), max(values), tuple(values))
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(
+    ours: Callable[[], object], theirs: Callable[[], object], repeats: int, *, warmup: bool = True
+) -> tuple[Stats, Stats]:
+    """Times ``ours`` and ``theirs`` in turn, ``repeats`` times each (after one untimed call
+    of each with ``warmup``: the allocator, first-call overheads)."""
+    if warmup:
+        ours(), theirs()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        times[0].append(timed(ours))
+        times[1].append(timed(theirs))
+    return Stats.of(times[0]), Stats.of(times[1])
 
 
 def _status_kb(field: str) -> float | None:

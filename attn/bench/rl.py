@@ -9,7 +9,9 @@
   parity mode (``attn.set_parity_mode``), on the same model.
 - ``parity gap``: ``attn.generate(..., num_samples=G, return_logits=True)`` log-probs of the
   sampled tokens against the training forward's, in each mode: the largest difference and
-  the share of tokens whose ratio ``exp(train - gen)`` leaves [0.99, 1.01] and [0.9, 1.1].
+  the share of tokens whose ratio ``exp(train - gen)`` leaves [0.99, 1.01] and [0.9, 1.1];
+  and transformers on the same weights (``generate(output_logits=True)`` against its
+  forward), when it is installed.
 
 Both sides of a comparison use the same weights and threads and alternate repeat by repeat;
 figures are medians. Random weights (``init_std``): the gap figures depend on the weights.
@@ -17,14 +19,13 @@ figures are medians. Random weights (``init_std``): the gap figures depend on th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from attn.bench.contenders import init_weights
-from attn.bench.measure import Stats, peak_rss_mb, reset_peak_rss
+from attn.bench.contenders import hf_config, hf_state_dict, init_weights, transformers_available
+from attn.bench.measure import Stats, alternate, peak_rss_mb, reset_peak_rss, timed
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import generate
 from attn.logprobs import completion_logprobs
@@ -94,20 +95,6 @@ class Gap:
     tokens: int
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[Stats, Stats]:
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        times[0].append(_timed(ours))
-        times[1].append(_timed(theirs))
-    return Stats.of(times[0]), Stats.of(times[1])
-
-
 def _peak_mb(fn: Callable[[], object]) -> float | None:
     if not reset_peak_rss():
         return None
@@ -147,10 +134,17 @@ def _compare_logprobs(model: TransformerDecoder, spec: RLSpec, generator: torch.
     with torch.no_grad():
         ours, theirs = shared(), full()
         agree = torch.allclose(ours, theirs, atol=1e-3, rtol=1e-3)
-        detail = f"log-probs {'agree' if agree else 'DIFFER'} (largest difference {float((ours - theirs).abs().max()):.2e})"
-        nograd = _alternate(shared, full, spec.repeats)
-    step = _alternate(lambda: (shared() * advantages).sum().backward(), lambda: (full() * advantages).sum().backward(), spec.repeats)
-    peaks = [_peak_mb(lambda: (fn() * advantages).sum().backward()) for fn in (shared, full)]
+        detail = (
+            f"log-probs {'agree' if agree else 'DIFFER'} (largest difference {float((ours - theirs).abs().max()):.2e})"
+        )
+        nograd = alternate(shared, full, spec.repeats, warmup=False)
+    step = alternate(
+        lambda: (shared() * advantages).sum().backward(),
+        lambda: (full() * advantages).sum().backward(),
+        spec.repeats,
+        warmup=False,
+    )
+    peaks = [_peak_mb(lambda fn=fn: (fn() * advantages).sum().backward()) for fn in (shared, full)]
     model.zero_grad(set_to_none=True)
     names = ("attn.completion_logprobs (prompt once)", "full forward over B x G rows")
     return [
@@ -160,49 +154,54 @@ def _compare_logprobs(model: TransformerDecoder, spec: RLSpec, generator: torch.
 
 
 def _parity_cost(model: TransformerDecoder, spec: RLSpec, generator: torch.Generator) -> list[Comparison]:
-    B, G, P, N = spec.group
+    B, G, P, _ = spec.group
     prompts, groups = _batch(spec, generator)
     prompt_tokens = torch.tensor(prompts)  # (B, P)
     step_tokens = torch.randint(1, spec.config.vocab_size, (B * G, 1), generator=generator)
 
-    def prefill() -> None:
+    def prefill() -> float:
         model.setup_caches(B, P)
         with torch.inference_mode():
-            model(prompt_tokens, last_only=True)
+            seconds = timed(lambda: model(prompt_tokens, last_only=True))
         model.teardown_caches()
+        return seconds
 
-    def decode() -> None:  # 8 steps on a cache holding the prompt, per step below
+    def decode() -> float:  # 8 steps of B x G rows on a cache that holds the prompts (not timed)
         model.setup_caches(B * G, P + 8)
         with torch.inference_mode():
             model(prompt_tokens.repeat_interleave(G, 0), last_only=True)
-            for _ in range(8):
-                model(step_tokens)
+            seconds = timed(lambda: [model(step_tokens) for _ in range(8)]) / 8
         model.teardown_caches()
+        return seconds
 
-    def train() -> None:
-        completion_logprobs(model, prompts, groups).logprobs.sum().backward()
+    def train() -> float:
+        return timed(lambda: completion_logprobs(model, prompts, groups).logprobs.sum().backward())
 
     results = []
-    for name, fn in (("prefill", prefill), ("decode (8 steps on a prefill)", decode), ("policy step", train)):
+    phases = ((f"prefill ({B} x {P})", prefill), (f"decode step ({B * G} rows)", decode), ("policy step", train))
+    for name, fn in phases:
         times: tuple[list[float], list[float]] = ([], [])
         for _ in range(spec.repeats):
             for parity in (False, True):
                 set_parity_mode(model, parity)
-                times[parity].append(_timed(fn))
+                times[parity].append(fn())
         set_parity_mode(model, False)
         results.append(Comparison(name, "parity mode", "default", Stats.of(times[1]), Stats.of(times[0])))
     model.zero_grad(set_to_none=True)
     return results
 
 
+def _random_model(spec: RLSpec, length: int, dtype: torch.dtype) -> TransformerDecoder:
+    model = TransformerDecoder(replace(spec.config, max_seq_len=max(spec.config.max_seq_len, length)))
+    init_weights(model, spec.init_std, spec.seed)
+    return model.to(dtype)
+
+
 def _parity_gap(spec: RLSpec) -> list[Gap]:
     B, G, P, N = spec.gap
-    config = replace(spec.config, max_seq_len=max(spec.config.max_seq_len, P + N))
-    model = TransformerDecoder(config)
-    init_weights(model, spec.init_std, spec.seed)
-    model = model.to(torch.bfloat16)
+    model = _random_model(spec, P + N, torch.bfloat16)
     generator = torch.Generator().manual_seed(spec.seed)
-    prompts = torch.randint(1, config.vocab_size, (B, P), generator=generator).tolist()
+    prompts = torch.randint(1, model.config.vocab_size, (B, P), generator=generator).tolist()
     gaps = []
     for parity in (False, True):
         set_parity_mode(model, parity)
@@ -212,21 +211,54 @@ def _parity_gap(spec: RLSpec) -> list[Gap]:
         )  # fmt: skip
         sampled = out.logits.log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
         model.train()
-        logits = model(out.tokens, input_pos=padding_positions(out.padding_mask), mask=padded_causal_mask(out.padding_mask))
+        logits = model(
+            out.tokens, input_pos=padding_positions(out.padding_mask), mask=padded_causal_mask(out.padding_mask)
+        )
         model.eval()
         trained = logits[:, P - 1 : -1].float().log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
-        diff = (trained - sampled).detach()[out.generated_mask]
-        ratio = diff.exp()
-        gaps.append(
-            Gap(
-                "parity" if parity else "default",
-                float(diff.abs().max()),
-                float(((ratio < 0.99) | (ratio > 1.01)).float().mean()),
-                float(((ratio < 0.9) | (ratio > 1.1)).float().mean()),
-                int(diff.numel()),
-            )
-        )
+        gaps.append(_gap("attn parity" if parity else "attn default", (trained - sampled).detach()[out.generated_mask]))
+    set_parity_mode(model, False)
+    if transformers_available():
+        gaps.append(_transformers_gap(model, prompts, G, N, spec.seed))
     return gaps
+
+
+def _gap(mode: str, diff: torch.Tensor) -> Gap:
+    ratio = diff.exp()
+    outside_1, outside_10 = ((ratio < 0.99) | (ratio > 1.01)), ((ratio < 0.9) | (ratio > 1.1))
+    return Gap(
+        mode, float(diff.abs().max()), float(outside_1.float().mean()), float(outside_10.float().mean()), diff.numel()
+    )
+
+
+def _transformers_gap(model: TransformerDecoder, prompts: list[list[int]], G: int, N: int, seed: int) -> Gap:
+    """The same weights in transformers' LlamaForCausalLM: ``generate(output_logits=True)``
+    (sampled, temperature 1, no top-k) against its own training forward."""
+    import warnings
+
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config(model.config), dtype=torch.bfloat16)
+    hf.load_state_dict(hf_state_dict(model), strict=False)
+    if hf.config.tie_word_embeddings:
+        hf.tie_weights()
+    hf.eval()
+    torch.manual_seed(seed)
+    prompt = torch.tensor(prompts)  # (B, P): equal lengths, no padding
+    out = hf.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=N, min_new_tokens=N, num_return_sequences=G, output_logits=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    P = prompt.shape[1]
+    generated = out.sequences[:, P:]  # (B * G, N)
+    sampled = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, generated[..., None]).squeeze(-1)
+    hf.train()
+    logits = hf(out.sequences).logits[:, P - 1 : -1]
+    trained = logits.float().log_softmax(-1).gather(-1, generated[..., None]).squeeze(-1)
+    return _gap(f"transformers {transformers.__version__}", (trained - sampled).detach().flatten())
 
 
 def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]:
@@ -234,11 +266,8 @@ def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]
     before = torch.get_num_threads()
     torch.set_num_threads(spec.threads)
     try:
-        B, G, P, N = spec.group
-        config = replace(spec.config, max_seq_len=max(spec.config.max_seq_len, P + N))
-        model = TransformerDecoder(config)
-        init_weights(model, spec.init_std, spec.seed)
-        model = model.to(spec.dtype)
+        _, _, P, N = spec.group
+        model = _random_model(spec, P + N, spec.dtype)
         generator = torch.Generator().manual_seed(spec.seed)
         comparisons = _compare_logprobs(model, spec, generator)
         costs = _parity_cost(model, spec, generator)
@@ -247,7 +276,9 @@ def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]
         torch.set_num_threads(before)
 
 
-def format_rl(comparisons: list[Comparison], costs: list[Comparison], gaps: list[Gap], spec: RLSpec, machine: str) -> str:
+def format_rl(
+    comparisons: list[Comparison], costs: list[Comparison], gaps: list[Gap], spec: RLSpec, machine: str
+) -> str:
     """A plain-text report: each comparison with its target met or not, the costs, the gaps."""
     B, G, P, N = spec.group
     lines = [f"RL passes ({machine}); B={B} prompts x G={G}, P={P}, N={N}; seconds, median (min-max) of {spec.repeats}"]
@@ -264,12 +295,16 @@ def format_rl(comparisons: list[Comparison], costs: list[Comparison], gaps: list
             lines.append(f"  peak lower: {'met' if lower else 'NOT met'}")
     lines.append(f"\nparity mode's cost ({spec.dtype}; parity s against default s):")
     for c in costs:
-        lines.append(f"  {c.name:<32} {c.ours_s.median:8.3f} s against {c.theirs_s.median:8.3f} s: {1 / c.speedup:.2f}x the time")
+        lines.append(
+            f"  {c.name:<32} {c.ours_s.median:8.3f} s against {c.theirs_s.median:8.3f} s: {1 / c.speedup:.2f}x the time"
+        )
     gB, gG, gP, gN = spec.gap
-    lines.append(f"\nparity gap (bf16, generate B={gB} x G={gG}, P={gP}, N={gN}, temperature 1, vs the training forward):")
+    lines.append(
+        f"\nparity gap (bf16, generate B={gB} x G={gG}, P={gP}, N={gN}, temperature 1, vs the training forward):"
+    )
     for g in gaps:
         lines.append(
-            f"  {g.mode:<8} max |diff| {g.max_abs:.3g}; ratio outside [0.99, 1.01]: {100 * g.outside_1pct:.1f}%, "
+            f"  {g.mode:<20} max |diff| {g.max_abs:.3g}; ratio outside [0.99, 1.01]: {100 * g.outside_1pct:.1f}%, "
             f"outside [0.9, 1.1]: {100 * g.outside_10pct:.1f}% of {g.tokens} tokens"
         )
     return "\n".join(lines)

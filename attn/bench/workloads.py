@@ -16,7 +16,6 @@ and the figures are medians. Outputs are checked against each other: greedy toke
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from attn.bench.contenders import init_weights
-from attn.bench.measure import Stats
+from attn.bench.measure import Stats, alternate
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.fast_decode import compile_for_decode
 from attn.generation import generate
@@ -78,21 +77,6 @@ class WorkloadResult:
         return self.theirs_s.median / self.ours_s.median
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _alternate(ours: Callable[[], object], theirs: Callable[[], object], repeats: int) -> tuple[Stats, Stats]:
-    ours(), theirs()  # warm-up: allocator, first-call overheads
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        times[0].append(_timed(ours))
-        times[1].append(_timed(theirs))
-    return Stats.of(times[0]), Stats.of(times[1])
-
-
 def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
     B, G, P, N = spec.grpo
     prompts = torch.randint(1, spec.config.vocab_size, (B, P), generator=generator)
@@ -108,7 +92,7 @@ def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> W
             generator=torch.Generator().manual_seed(spec.seed),
         )
 
-    ours, theirs = _alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
+    ours, theirs = alternate(sample(prompts, G), sample(expanded, 1), spec.repeats)
     forked = generate(model, prompts, max_new_tokens=N, num_samples=G)
     plain = generate(model, expanded, max_new_tokens=N)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
@@ -157,7 +141,7 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     def full() -> list[list[float]]:
         return [_per_question_full_passes(model, c, k) for c, k in questions]
 
-    ours, theirs = _alternate(shared, full, spec.repeats)
+    ours, theirs = alternate(shared, full, spec.repeats)
     got, expected = torch.tensor(shared()), torch.tensor(full())
     error = float((got - expected).abs().max())
     close = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)

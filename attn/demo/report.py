@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from attn.compat import PolicyDecision
 from attn.decoder import TransformerDecoder
+from attn.demo.grpo import GRPOResult
 from attn.demo.patterns import EvalResult, PPOResult, TrainResult
 from attn.demo.result import DemoOptions, DemoResult
 from attn.demo.task import AdditionTask
@@ -92,6 +93,23 @@ def lora_ppo_lines(result: PPOResult) -> str:
     )
 
 
+def grpo_lines(result: GRPOResult) -> str:
+    return "\n".join(
+        [
+            f"5. GRPO in bf16 parity mode: groups of {result.group_size} with attn.generate(num_samples=), "
+            "group-normalised advantages, reference log-probs with the adapters off and policy steps, both "
+            "from attn.completion_logprobs (each prompt once)",
+            f"   {result.rounds} rounds x {result.inner_steps} steps; mean reward {result.reward_before:.2f} -> "
+            f"{result.reward_after:.2f}",
+            f"   first step's importance ratio over {result.first_ratio_tokens} tokens: "
+            f"min {result.first_ratio_min!r}, max {result.first_ratio_max!r} "
+            f"({'exactly 1.0' if result.exact else 'NOT exact'})",
+            f"   the default kernels on the same rollout: max |log-prob diff| {result.default_max_abs_diff:.3g}, "
+            f"{100 * result.default_outside_1pct:.1f}% of ratios outside [0.99, 1.01]",
+        ]
+    )
+
+
 def _fill(values: tuple[int, ...]) -> str:
     """One number when every layer agrees (they should), else all of them."""
     return str(values[0]) if len(set(values)) == 1 else "/".join(map(str, values))
@@ -120,7 +138,7 @@ def table(result: DemoResult) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["5. every kind of pass: cache use read from each layer's fill position and buffers, before and after"]
+    lines = ["6. every kind of pass: cache use read from each layer's fill position and buffers, before and after"]
     for i, row in enumerate(rows):
         lines.append("   " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
         if i == 0:
@@ -145,7 +163,8 @@ def summary(result: DemoResult) -> str:
     seconds = result.seconds
     lines.append(
         f"   time: {seconds['total']:.1f} s (train {seconds['train']:.1f}, eval {seconds['eval']:.1f}, speed "
-        f"{seconds['speed']:.1f}, PPO {seconds['ppo']:.1f}, LoRA-PPO {seconds['lora_ppo']:.1f})"
+        f"{seconds['speed']:.1f}, PPO {seconds['ppo']:.1f}, LoRA-PPO {seconds['lora_ppo']:.1f}, "
+        f"GRPO {seconds['grpo']:.1f})"
     )
     violations = result.violations()
     if violations:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from attn.demo.grpo import GRPOResult
 from attn.demo.patterns import EvalResult, PPOResult, TrainResult
 from attn.demo.speed import SpeedResult
 from attn.demo.watch import PassRecord
@@ -61,6 +62,7 @@ class DemoResult:
     speed: SpeedResult
     ppo: PPOResult
     lora_ppo: PPOResult
+    grpo: GRPOResult
     seconds: dict[str, float]
     caches_still_setup: bool
     compile_stats: dict[str, int] | None = None
@@ -103,6 +105,12 @@ class DemoResult:
                 )
             if result.tokens_are_inference:
                 problems.append(f"{result.pattern}: attn.generate returned inference tensors")
+        if not self.grpo.exact:
+            problems.append(
+                f"grpo: in parity mode the first step's ratio spans [{self.grpo.first_ratio_min!r}, "
+                f"{self.grpo.first_ratio_max!r}] and generate's log-probs differ from the training forward's by up to "
+                f"{self.grpo.parity_max_abs_diff:.3g}; both must be exact"
+            )
         if not self.speed.same_tokens:
             problems.append("speed: generation with and without the cache produced different tokens")
         return problems
@@ -125,6 +133,7 @@ class DemoResult:
             "speed": self.speed.to_dict(),
             "ppo": self.ppo.to_dict(),
             "lora_ppo": self.lora_ppo.to_dict(),
+            "grpo": self.grpo.to_dict(),
             "caches_still_setup": self.caches_still_setup,
             "compile_stats": self.compile_stats,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},

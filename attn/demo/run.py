@@ -1,4 +1,4 @@
-"""The whole demo, in order: set up, train, eval, speed, PPO, LoRA-PPO; then the checks.
+"""The whole demo, in order: set up, train, eval, speed, PPO, LoRA-PPO, GRPO; then the checks.
 
 ``run_demo`` builds the task and the model, sets up the caches once, runs every pattern on
 the same model (compiled or not), prints a line per step as it goes, and returns a
@@ -21,6 +21,7 @@ from tqdm import tqdm
 import attn
 from attn import compat
 from attn.demo import report
+from attn.demo.grpo import grpo_pattern
 from attn.demo.model import build_model
 from attn.demo.patterns import (
     eval_pattern,
@@ -126,6 +127,11 @@ def _run(options: DemoOptions, say: Callable[[str], None], progress_stream: Text
     lora_ppo = lora_ppo_pattern(runner, task, rollout_problems, seed=options.seed)
     seconds["lora_ppo"] = time.perf_counter() - mark
     say(report.lora_ppo_lines(lora_ppo))
+
+    mark = time.perf_counter()
+    grpo = grpo_pattern(runner, task, rollout_problems[:16], seed=options.seed)
+    seconds["grpo"] = time.perf_counter() - mark
+    say(report.grpo_lines(grpo))
     seconds["total"] = time.perf_counter() - start
 
     return DemoResult(
@@ -138,6 +144,7 @@ def _run(options: DemoOptions, say: Callable[[str], None], progress_stream: Text
         speed=speed,
         ppo=ppo,
         lora_ppo=lora_ppo,
+        grpo=grpo,
         seconds=seconds,
         caches_still_setup=model.caches_are_setup(),
         compile_stats=_compile_stats() if options.compile else None,
