@@ -63,6 +63,30 @@ class GenerationOutput:
         """(b, N) bool, True for generated tokens that count (up to and including a stop)."""
         return self.padding_mask[:, self.prompt_length :]
 
+    def groups(self, num_samples: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """The prompts and their groups of completions, as ``attn.completion_logprobs`` takes
+        them: rows ``i * G .. (i + 1) * G - 1`` are G = ``num_samples`` samples of prompt i
+        (``generate(..., num_samples=G)``'s layout); each completion up to its stop token.
+
+        Raises:
+            ValueError: the rows do not split into groups of ``num_samples``, or a group's
+                rows hold different prompts.
+        """
+        rows = self.tokens.shape[0]
+        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0 or rows % num_samples:
+            raise ValueError(f"num_samples must be a positive int dividing the {rows} rows, got {num_samples!r}")
+        P = self.prompt_length
+        prompts = [row[real].tolist() for row, real in zip(self.tokens[:, :P], self.padding_mask[:, :P], strict=True)]
+        completions = [row[real].tolist() for row, real in zip(self.generated, self.generated_mask, strict=True)]
+        starts = range(0, rows, num_samples)
+        for start in starts:
+            if any(p != prompts[start] for p in prompts[start : start + num_samples]):
+                raise ValueError(
+                    f"rows {start}..{start + num_samples - 1} hold different prompts: not one group of "
+                    f"{num_samples} samples (generate(..., num_samples={num_samples}) makes such groups)"
+                )
+        return [prompts[s] for s in starts], [completions[s : s + num_samples] for s in starts]
+
 
 def _sample(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None

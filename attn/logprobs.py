@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attn.masks import left_pad, padding_positions
@@ -52,6 +53,7 @@ def completion_logprobs(
     completions: Sequence[Sequence[Sequence[int]]],
     *,
     temperature: float = 1.0,
+    width: int | None = None,
 ) -> CompletionLogprobs:
     """Log-probs of every completion token, each prompt run once for its whole group.
 
@@ -63,39 +65,45 @@ def completion_logprobs(
             least one, of any lengths, each at least one token).
         temperature: the log-probs are of ``softmax(logits / temperature)``, as
             ``attn.generate`` reports them for a sampled token (no top-k).
+        width: N, the columns of the result: at least the longest completion; None: the
+            longest completion. Pass generate's ``max_new_tokens`` to line the result up
+            with its ``logprobs``.
 
     Returns:
         ``CompletionLogprobs`` with R rows, group by group, in order: for ``attn.generate(...,
-        num_samples=G)``'s output, row ``i * G + j`` is sample j of prompt i, as there.
+        num_samples=G)``'s output (``out.groups(G)``), row ``i * G + j`` is sample j of prompt
+        i, as there.
 
     Raises:
         ValueError: empty prompts, groups or completions, ids outside the vocabulary, a
-            prompt and completion longer than ``max_seq_len``, or a bad temperature.
+            prompt and completion longer than ``max_seq_len``, a bad temperature or width.
 
     Example::
 
         out = attn.generate(policy, prompts, max_new_tokens=64, temperature=1.0, num_samples=G)
-        groups = [[row[m].tolist() for row, m in zip(out.generated[i * G:(i + 1) * G],
-                                                     out.generated_mask[i * G:(i + 1) * G])]
-                  for i in range(len(prompts))]
-        with torch.no_grad(), adapters_off(policy):                       # the reference pass
-            ref = attn.completion_logprobs(policy, prompts, groups)
-        new = attn.completion_logprobs(policy, prompts, groups)           # the policy, with grad
-        ratio = (new.logprobs - out.logprobs).exp()                       # 1 on-policy (parity mode)
+        prompts, groups = out.groups(G)
+        with torch.no_grad(), adapters_disabled(policy):                  # your LoRA library's switch
+            ref = attn.completion_logprobs(policy, prompts, groups, width=64)   # the reference pass
+        new = attn.completion_logprobs(policy, prompts, groups, width=64)       # the policy, with grad
+        ratio = (new.logprobs - out.logprobs).exp()                       # 1.0 on-policy in parity mode
     """
     config = model.config
     group_sizes = _check(config.vocab_size, config.max_seq_len, prompts, completions, temperature)
+    flat = [c for group in completions for c in group]
+    longest = max(map(len, flat))
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < longest):
+        raise ValueError(f"width must be an int >= the longest completion ({longest} tokens), got {width!r}")
     device = model.tok_embeddings.weight.device
     prompt_tokens, prompt_valid = left_pad(prompts, 0, device)  # each (B, P)
-    flat = [c for group in completions for c in group]
-    completion_tokens, completion_valid = _right_pad(flat, device)  # each (R, N)
+    completion_tokens, completion_valid = _right_pad(flat, longest, device)  # each (R, N)
     rows_per_prompt = torch.tensor(group_sizes, device=device)  # (B,)
     with model.kernels():
         hidden = _shared_prefix_hidden(model, prompt_tokens, prompt_valid, completion_tokens, rows_per_prompt)
         logits = _head(model, hidden)  # (R, N, v)
     logprobs = (logits.float() / temperature).log_softmax(-1)  # (R, N, v)
-    chosen = logprobs.gather(-1, completion_tokens[..., None]).squeeze(-1)  # (R, N)
-    return CompletionLogprobs(torch.where(completion_valid, chosen, 0.0), completion_valid)
+    chosen = torch.where(completion_valid, logprobs.gather(-1, completion_tokens[..., None]).squeeze(-1), 0.0)
+    pad = (width or longest) - longest  # columns past the longest completion: 0, masked out
+    return CompletionLogprobs(F.pad(chosen, (0, pad)), F.pad(completion_valid, (0, pad)))
 
 
 def _shared_prefix_hidden(
@@ -141,7 +149,7 @@ def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The final norm and output layer over (R, N, e): (R, N, v)."""
     hidden = model.norm(hidden)
     if model.output is None:
-        return torch.nn.functional.linear(hidden, model.tok_embeddings.weight)
+        return F.linear(hidden, model.tok_embeddings.weight)
     return model.output(hidden)
 
 
@@ -158,8 +166,7 @@ def _slot_mask(
     return (causal[None] & keys_valid[:, None, :]) | own[None]  # (b, s, L)
 
 
-def _right_pad(rows: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(map(len, rows))
+def _right_pad(rows: list[Sequence[int]], longest: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.zeros((len(rows), longest), dtype=torch.long)  # (R, N)
     valid = torch.zeros((len(rows), longest), dtype=torch.bool)  # (R, N)
     for i, row in enumerate(rows):

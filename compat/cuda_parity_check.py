@@ -31,12 +31,10 @@ def gap(
     out = attn.generate(
         model, prompts, max_new_tokens=new_tokens, temperature=1.0, num_samples=samples, generator=generator
     )
-    rows = [row[real].tolist() for row, real in zip(out.generated, out.generated_mask, strict=True)]
-    groups = [rows[i * samples : (i + 1) * samples] for i in range(len(prompts))]
     model.train()
-    trained = attn.completion_logprobs(model, prompts, groups)
+    trained = attn.completion_logprobs(model, *out.groups(samples), width=new_tokens)
     model.eval()
-    diff = (trained.logprobs.detach() - out.logprobs[:, : trained.logprobs.shape[1]])[trained.mask]
+    diff = (trained.logprobs.detach() - out.logprobs)[trained.mask]
     ratio = diff.exp()
     outside_1, outside_10 = ((ratio - 1).abs() > 0.01).float().mean(), ((ratio - 1).abs() > 0.1).float().mean()
     return float(diff.abs().max()), float(outside_1), float(outside_10)

@@ -360,7 +360,8 @@ def test_rl_runs_every_comparison_and_parity_is_exact(capsys: pytest.CaptureFixt
     assert "peak RSS" in out and "read bandwidth" in out
     for phase in ("prefill (2 x 16)", "decode step (6 rows)", "policy step"):
         assert f"  {phase}" in out
-    assert "attn parity          max |diff| 0;" in out and "transformers" in out
+    assert "attn parity          bf16 max |diff| 0;" in out and "attn parity          fp32 max |diff| 0;" in out
+    assert "transformers" in out
 
 
 def test_rl_refuses_a_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:

@@ -340,3 +340,17 @@ def test_sampling_draws_each_token_at_its_probability(weights: list[float], seed
     frequencies = torch.bincount(drawn, minlength=len(weights)).double() / len(drawn)
     spread = (probs.double() * (1 - probs.double()) / len(drawn)).sqrt()
     assert ((frequencies - probs.double()).abs() <= 5 * spread + 1e-12).all(), (frequencies, probs)
+
+
+def test_groups_split_rows_into_prompts_and_completions() -> None:
+    model = tiny_model(9)
+    prompts = [[3, 4, 5], [7]]
+    out = generate(model, prompts, max_new_tokens=4, temperature=1.0, num_samples=2, stop_tokens=[11, 12, 13])
+    got_prompts, groups = out.groups(2)
+    assert got_prompts == prompts and [len(g) for g in groups] == [2, 2]
+    for row in range(4):  # each completion: the real generated tokens of its row, up to its stop
+        assert groups[row // 2][row % 2] == out.generated[row][out.generated_mask[row]].tolist()
+    with pytest.raises(ValueError, match="num_samples must be a positive int dividing the 4 rows, got 3"):
+        out.groups(3)
+    with pytest.raises(ValueError, match=r"rows 0\.\.3 hold different prompts"):
+        out.groups(4)

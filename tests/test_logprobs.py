@@ -97,9 +97,11 @@ def test_old_policy_logprobs_of_a_generation_are_exact_with_lora_on_and_off() ->
         ]
         for i in range(2)
     ]
-    new = attn.completion_logprobs(model, prompts, groups)  # with grad: the policy's step
+    assert out.groups(G) == (prompts, groups)
+    new = attn.completion_logprobs(model, *out.groups(G), width=6)  # with grad: the policy's step
     assert new.logprobs.requires_grad
-    assert torch.equal(new.logprobs[new.mask], out.logprobs[out.generated_mask])
+    assert torch.equal(new.mask, out.generated_mask)
+    assert torch.equal(new.logprobs, out.logprobs)  # 0 past each completion in both
     with torch.no_grad(), adapters_enabled(model, False):
         reference = attn.completion_logprobs(model, prompts, groups)
         full, _ = full_forward_logprobs(model, prompts, groups)
@@ -132,6 +134,7 @@ def test_never_touches_a_cache() -> None:
         ([[1]], [[[2.0]]], {}, r"got \[2.0\]"),
         ([[1] * 60], [[[2] * 5]], {}, r"exceed the model's max_seq_len \(64\)"),
         ([[1]], [[[2]]], {"temperature": 0.0}, "temperature must be a positive number, got 0.0"),
+        ([[1]], [[[2, 3, 4]]], {"width": 2}, "width must be an int >= the longest completion \\(3 tokens\\), got 2"),
     ],
 )
 def test_bad_input_is_refused_with_the_values(prompts, groups, kwargs, match) -> None:
@@ -146,3 +149,13 @@ def test_numpy_and_tensor_element_ids_are_ids() -> None:
         plain = attn.completion_logprobs(model, [[1, 2]], [[[3, 4]]]).logprobs
         other = attn.completion_logprobs(model, [np.array([1, 2])], [[torch.tensor([3, 4]).tolist()]]).logprobs
     assert torch.equal(plain, other)
+
+
+def test_width_pads_with_masked_zeros() -> None:
+    model = tiny_model(7)
+    with torch.no_grad():
+        narrow = attn.completion_logprobs(model, [[1, 2]], [[[3, 4], [5]]])
+        wide = attn.completion_logprobs(model, [[1, 2]], [[[3, 4], [5]]], width=5)
+    assert wide.logprobs.shape == wide.mask.shape == (2, 5) and wide.mask.dtype == torch.bool
+    assert torch.equal(wide.logprobs[:, :2], narrow.logprobs) and torch.equal(wide.mask[:, :2], narrow.mask)
+    assert not wide.mask[:, 2:].any() and not wide.logprobs[:, 2:].any()

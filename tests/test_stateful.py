@@ -1,6 +1,6 @@
 """Sequences of calls on one model: set up, reset, tear down, cached prefill and decode,
 rewinds and row reorders, scoring, training steps, flag toggles and nested context managers,
-under both policies.
+parity mode on and off, under both policies.
 
 A shadow model of the cache (the tokens it should hold) is checked after every step: fill
 positions, buffers left bit-for-bit alone by passes that must not touch them, and cached
@@ -37,7 +37,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
         self.capacity = 0
         self.cached: torch.Tensor | None = None  # (BATCH, n) tokens the cache should hold
-        self.stale = False  # weights changed since the cache was filled
+        self.stale = False  # weights (or parity mode) changed since the cache was filled
         self.saved_decision = compat.cache_policy()
         self.saved_slot_step = attn.kv_cache.SLOT_STEP
 
@@ -65,13 +65,25 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.stale:
             with torch.no_grad():
                 reference = self.model(full)[:, full.shape[1] - new.shape[1] :]
-            torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+            if self.model.parity:  # parity mode: the cached pass's logits are the full forward's bits
+                assert torch.equal(logits, reference)
+            else:
+                torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
         self.cached = full
 
     def _fill(self) -> int:
         return 0 if self.cached is None else self.cached.shape[1]
 
     # -- rules ---------------------------------------------------------------------------
+
+    @rule(on=st.booleans())
+    def parity_mode(self, on: bool) -> None:
+        """Kernels change, the cache does not. Tokens cached by the other kernels differ from a
+        recomputation in these in the last bits: stale, as after a training step."""
+        before = cache_state(self.model)
+        self.stale = self.stale or (self.cached is not None and on != self.model.parity)
+        attn.set_parity_mode(self.model, on)
+        assert_cache_unchanged(self.model, before)
 
     @rule(capacity=st.integers(4, 14))
     def setup(self, capacity: int) -> None:

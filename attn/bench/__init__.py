@@ -390,5 +390,5 @@ def _run_rl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     comparisons, costs, gaps = run_rl(spec)
     print(format_rl(comparisons, costs, gaps, spec, machine))
-    parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "attn parity")
+    parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "attn parity")  # bf16 and fp32
     return 0 if parity_exact and all("DIFFER" not in c.detail for c in comparisons) else 1

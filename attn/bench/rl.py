@@ -27,6 +27,7 @@ import torch
 from attn.bench.contenders import hf_config, hf_state_dict, init_weights, transformers_available
 from attn.bench.measure import Stats, alternate, peak_rss_mb, reset_peak_rss, timed
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.dtypes import short_name
 from attn.generation import generate
 from attn.logprobs import completion_logprobs
 from attn.masks import padded_causal_mask, padding_positions
@@ -52,7 +53,7 @@ class RLSpec:
         dtype: parameter dtype of the speed comparisons.
         threads: torch intra-op threads.
         group: (B, G, P, N): B prompts x G completions, prompts of P tokens, completions of N.
-        gap: (B, G, P, N) of the parity-gap generation, run in bf16 (the precision that has a gap).
+        gap: (B, G, P, N) of the parity-gap generation, run in bf16 and fp32.
         repeats: timed runs of each side.
     """
 
@@ -89,6 +90,7 @@ class Gap:
     """Generation's log-probs against the training forward's, in one mode."""
 
     mode: str
+    dtype: str
     max_abs: float
     outside_1pct: float
     outside_10pct: float
@@ -197,9 +199,9 @@ def _random_model(spec: RLSpec, length: int, dtype: torch.dtype) -> TransformerD
     return model.to(dtype)
 
 
-def _parity_gap(spec: RLSpec) -> list[Gap]:
+def _parity_gap(spec: RLSpec, dtype: torch.dtype) -> list[Gap]:
     B, G, P, N = spec.gap
-    model = _random_model(spec, P + N, torch.bfloat16)
+    model = _random_model(spec, P + N, dtype)
     generator = torch.Generator().manual_seed(spec.seed)
     prompts = torch.randint(1, model.config.vocab_size, (B, P), generator=generator).tolist()
     gaps = []
@@ -216,22 +218,24 @@ def _parity_gap(spec: RLSpec) -> list[Gap]:
         )
         model.eval()
         trained = logits[:, P - 1 : -1].float().log_softmax(-1).gather(-1, out.generated[..., None]).squeeze(-1)
-        gaps.append(_gap("attn parity" if parity else "attn default", (trained - sampled).detach()[out.generated_mask]))
+        diff = (trained - sampled).detach()[out.generated_mask]
+        gaps.append(_gap("attn parity" if parity else "attn default", dtype, diff))
     set_parity_mode(model, False)
     if transformers_available():
-        gaps.append(_transformers_gap(model, prompts, G, N, spec.seed))
+        gaps.append(_transformers_gap(model, prompts, G, N, spec.seed, dtype))
     return gaps
 
 
-def _gap(mode: str, diff: torch.Tensor) -> Gap:
+def _gap(mode: str, dtype: torch.dtype, diff: torch.Tensor) -> Gap:
     ratio = diff.exp()
     outside_1, outside_10 = ((ratio < 0.99) | (ratio > 1.01)), ((ratio < 0.9) | (ratio > 1.1))
-    return Gap(
-        mode, float(diff.abs().max()), float(outside_1.float().mean()), float(outside_10.float().mean()), diff.numel()
-    )
+    share_1, share_10 = float(outside_1.float().mean()), float(outside_10.float().mean())
+    return Gap(mode, short_name(dtype), float(diff.abs().max()), share_1, share_10, diff.numel())
 
 
-def _transformers_gap(model: TransformerDecoder, prompts: list[list[int]], G: int, N: int, seed: int) -> Gap:
+def _transformers_gap(
+    model: TransformerDecoder, prompts: list[list[int]], G: int, N: int, seed: int, dtype: torch.dtype
+) -> Gap:
     """The same weights in transformers' LlamaForCausalLM: ``generate(output_logits=True)``
     (sampled, temperature 1, no top-k) against its own training forward."""
     import warnings
@@ -240,7 +244,7 @@ def _transformers_gap(model: TransformerDecoder, prompts: list[list[int]], G: in
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config(model.config), dtype=torch.bfloat16)
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config(model.config), dtype=dtype)
     hf.load_state_dict(hf_state_dict(model), strict=False)
     if hf.config.tie_word_embeddings:
         hf.tie_weights()
@@ -258,7 +262,7 @@ def _transformers_gap(model: TransformerDecoder, prompts: list[list[int]], G: in
     hf.train()
     logits = hf(out.sequences).logits[:, P - 1 : -1]
     trained = logits.float().log_softmax(-1).gather(-1, generated[..., None]).squeeze(-1)
-    return _gap(f"transformers {transformers.__version__}", (trained - sampled).detach().flatten())
+    return _gap(f"transformers {transformers.__version__}", dtype, (trained - sampled).detach().flatten())
 
 
 def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]:
@@ -271,7 +275,7 @@ def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]
         generator = torch.Generator().manual_seed(spec.seed)
         comparisons = _compare_logprobs(model, spec, generator)
         costs = _parity_cost(model, spec, generator)
-        return comparisons, costs, _parity_gap(spec)
+        return comparisons, costs, [*_parity_gap(spec, torch.bfloat16), *_parity_gap(spec, torch.float32)]
     finally:
         torch.set_num_threads(before)
 
@@ -300,11 +304,11 @@ def format_rl(
         )
     gB, gG, gP, gN = spec.gap
     lines.append(
-        f"\nparity gap (bf16, generate B={gB} x G={gG}, P={gP}, N={gN}, temperature 1, vs the training forward):"
+        f"\nparity gap (generate B={gB} x G={gG}, P={gP}, N={gN}, temperature 1, against the training forward):"
     )
     for g in gaps:
         lines.append(
-            f"  {g.mode:<20} max |diff| {g.max_abs:.3g}; ratio outside [0.99, 1.01]: {100 * g.outside_1pct:.1f}%, "
-            f"outside [0.9, 1.1]: {100 * g.outside_10pct:.1f}% of {g.tokens} tokens"
+            f"  {g.mode:<20} {g.dtype:<4} max |diff| {g.max_abs:.3g}; ratio outside [0.99, 1.01]: "
+            f"{100 * g.outside_1pct:.1f}%, outside [0.9, 1.1]: {100 * g.outside_10pct:.1f}% of {g.tokens} tokens"
         )
     return "\n".join(lines)

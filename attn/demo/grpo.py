@@ -25,7 +25,7 @@ from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import AdditionTask, Problem
 from attn.demo.watch import JsonResult, base_model
 from attn.generation import GenerationOutput, generate
-from attn.logprobs import CompletionLogprobs, completion_logprobs
+from attn.logprobs import completion_logprobs
 from attn.parity import set_parity_mode
 
 __all__ = ["GRPOResult", "grpo_pattern"]
@@ -59,12 +59,6 @@ class GRPOResult(JsonResult):
         return self.first_ratio_min == 1.0 == self.first_ratio_max and self.parity_max_abs_diff == 0.0
 
 
-def _groups(out: GenerationOutput, num_prompts: int, group_size: int) -> list[list[list[int]]]:
-    """The completions of ``out`` as B groups of G id lists (each up to its stop token)."""
-    rows = [row[real].tolist() for row, real in zip(out.generated, out.generated_mask, strict=True)]
-    return [rows[i * group_size : (i + 1) * group_size] for i in range(num_prompts)]
-
-
 def _rollout(
     policy: nn.Module, task: AdditionTask, problems: list[Problem], group_size: int, seed: int
 ) -> tuple[GenerationOutput, torch.Tensor]:
@@ -85,17 +79,10 @@ def _rollout(
     return out, rewards
 
 
-def _old_logprobs(out: GenerationOutput, new: CompletionLogprobs) -> torch.Tensor:
-    """generate's log-probs, (R, N) as ``new``'s: N is the longest completion, not max_new_tokens."""
-    return out.logprobs[:, : new.logprobs.shape[1]]
-
-
-def _mismatch(
-    policy: nn.Module, prompts: list[list[int]], out: GenerationOutput, group_size: int
-) -> tuple[float, float]:
+def _mismatch(policy: nn.Module, out: GenerationOutput, group_size: int) -> tuple[float, float]:
     """Largest |generate's log-prob - the training forward's|, and the share of ratios outside [0.99, 1.01]."""
-    new = completion_logprobs(policy, prompts, _groups(out, len(prompts), group_size))
-    diff = (new.logprobs.detach() - _old_logprobs(out, new))[new.mask]
+    new = completion_logprobs(policy, *out.groups(group_size), width=out.generated.shape[1])
+    diff = (new.logprobs.detach() - out.logprobs)[new.mask]
     ratio = diff.exp()
     return float(diff.abs().max()), float(((ratio < 0.99) | (ratio > 1.01)).float().mean())
 
@@ -128,13 +115,12 @@ def grpo_pattern(
     policy = policy.to(torch.bfloat16)
     if not lora_parameters(policy):  # LoRA-PPO's adapters, where it ran first, train on
         add_lora(policy, rank=4, seed=seed)
-    prompts = [task.prompt_ids(p) for p in problems]
     B, G = len(problems), group_size
 
     set_parity_mode(policy, False)  # the same first rollout with the default kernels
-    default_diff, default_outside = _mismatch(policy, prompts, _rollout(policy, task, problems, G, seed)[0], G)
+    default_diff, default_outside = _mismatch(policy, _rollout(policy, task, problems, G, seed)[0], G)
     set_parity_mode(policy)
-    parity_diff = _mismatch(policy, prompts, _rollout(policy, task, problems, G, seed)[0], G)[0]
+    parity_diff = _mismatch(policy, _rollout(policy, task, problems, G, seed)[0], G)[0]
 
     optimizer = torch.optim.AdamW(lora_parameters(policy), lr=lr, weight_decay=0.0)
     reward_before = float(_rollout(policy, task, problems, G, seed + 1)[1].mean())
@@ -145,13 +131,14 @@ def grpo_pattern(
         advantages = (
             (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
         ).flatten()  # (R,)
-        groups = _groups(out, B, G)
+        prompts, groups = out.groups(G)
+        width = out.generated.shape[1]
         with torch.no_grad(), adapters_enabled(policy, False):
-            reference = completion_logprobs(policy, prompts, groups).logprobs  # (R, N)
+            reference = completion_logprobs(policy, prompts, groups, width=width).logprobs  # (R, N)
         for _ in range(inner_steps):
-            new = completion_logprobs(policy, prompts, groups)  # the training forward, with grad
+            new = completion_logprobs(policy, prompts, groups, width=width)  # the training forward, with grad
             counted = new.mask.float()
-            ratio = (new.logprobs - _old_logprobs(out, new)).exp()  # (R, N)
+            ratio = (new.logprobs - out.logprobs).exp()  # (R, N)
             if first_ratio is None:
                 first_ratio = ratio.detach()[new.mask]
             surrogate = torch.minimum(
