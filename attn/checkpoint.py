@@ -488,8 +488,8 @@ def _rope_theta(params: Mapping[str, Any], hf_config: Mapping[str, Any]) -> floa
         )
     if theta is None:
         return _ROPE_THETA_DEFAULT
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise InvalidConfigError(f"rope_theta must be a number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+        raise InvalidConfigError(f"config.json rope_theta must be a finite number, got {theta!r}")
     return float(theta)
 
 
@@ -516,6 +516,8 @@ def _get_float(hf_config: Mapping[str, Any], key: str, default: Any) -> float:
     value = _get(hf_config, key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidConfigError(f"config.json {key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidConfigError(f"config.json {key} must be a finite number, got {value!r}")
     return float(value)
 
 

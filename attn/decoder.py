@@ -9,6 +9,7 @@ maps onto it one tensor at a time.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,8 +89,10 @@ class DecoderConfig:
             object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
-        if self.norm_eps <= 0 or self.rope_base <= 0:
-            raise ValueError(f"norm_eps ({self.norm_eps}) and rope_base ({self.rope_base}) must be positive")
+        for name in ("norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"DecoderConfig.{name} must be a finite positive number, got {value!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"DecoderConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         window = self.sliding_window

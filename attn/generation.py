@@ -16,7 +16,9 @@ run it under inference mode (``attn.compat.generation_fallback``) runs under
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 from torch import nn
@@ -27,10 +29,14 @@ from attn.masks import left_pad, padding_positions, slot_mask
 
 __all__ = ["GenerationOutput", "generate"]
 
+MIN_TEMPERATURE = 1e-6
+"""The lowest sampling temperature: below it, fp32 logits over it overflow (use 0: greedy)."""
+
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """What ``generate`` returns; all ordinary tensors (not inference tensors).
+    """What ``generate`` returns; all ordinary tensors (not inference tensors), also when
+    ``generate`` was called under ``torch.inference_mode()``: they feed a grad pass as they are.
 
     Attributes:
         tokens: (b, P + N) long: each prompt left-padded with ``pad_id``, then the generated
@@ -126,15 +132,22 @@ def _check_arguments(
 ) -> list[int]:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
-    if top_k is not None and not (isinstance(top_k, int) and 0 < top_k <= vocab_size):
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0.0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature {temperature!r} is below {MIN_TEMPERATURE}: logits divided by it overflow to inf and "
+            "the probabilities to NaN; sampling that cold is greedy, pass temperature=0"
+        )
+    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k <= vocab_size):
         raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
-    stops = [int(t) for t in (stop_tokens or [])]
-    bad = [t for t in [*stops, pad_id] if not 0 <= t < vocab_size]
+    if isinstance(stop_tokens, torch.Tensor):
+        stop_tokens = stop_tokens.reshape(-1).tolist()
+    stops = list(stop_tokens or [])
+    bad = [t for t in [*stops, pad_id] if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"stop_tokens and pad_id must be ids in [0, {vocab_size}), got {bad}")
-    return stops
+    return [int(t) for t in stops]
 
 
 def generate(
@@ -250,18 +263,19 @@ def generate(
     finally:
         if owns_cache:
             model.teardown_caches()
-    new_tokens, new_mask, logprobs, logits = steps  # inference tensors; clone them out below
-    prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
-    tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b * G, P + N)
-    padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b * G, P + N)
-    return GenerationOutput(
-        tokens=tokens,
-        padding_mask=padding_mask,
-        positions=padding_positions(padding_mask),
-        prompt_length=P,
-        logprobs=logprobs.clone(),
-        logits=None if logits is None else logits.clone(),
-    )
+    new_tokens, new_mask, logprobs, logits = steps  # inference tensors; cloned out below
+    with torch.inference_mode(False):  # ordinary tensors, also when the caller is in inference mode
+        prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
+        tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b * G, P + N)
+        padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b * G, P + N)
+        return GenerationOutput(
+            tokens=tokens,
+            padding_mask=padding_mask,
+            positions=padding_positions(padding_mask),
+            prompt_length=P,
+            logprobs=logprobs.clone(),
+            logits=None if logits is None else logits.clone(),
+        )
 
 
 def _decode(

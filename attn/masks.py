@@ -33,7 +33,8 @@ def left_pad(
         True for real tokens.
 
     Raises:
-        ValueError: no rows, an empty row, or a tensor that is not (b, s).
+        ValueError: no rows, an empty row, a row that is not one sequence (a 2-d tensor, a
+            number), ids that are not integers (floats, bools), or a tensor that is not (b, s).
 
     Example::
 
@@ -42,7 +43,7 @@ def left_pad(
     """
     if isinstance(rows, torch.Tensor) and rows.dim() != 2:
         raise ValueError(f"a tensor of rows must be (batch, seq_len), got shape {tuple(rows.shape)}")
-    rows = [torch.as_tensor(row, dtype=torch.long).reshape(-1) for row in rows]
+    rows = [_id_row(row, i) for i, row in enumerate(rows)]
     if not rows:
         raise ValueError("left_pad needs at least one row, got an empty batch")
     empty = [i for i, row in enumerate(rows) if row.numel() == 0]
@@ -55,6 +56,22 @@ def left_pad(
         tokens[i, width - row.numel() :] = row.cpu()
         padding_mask[i, width - row.numel() :] = True
     return tokens.to(device), padding_mask.to(device)
+
+
+def _id_row(row: Sequence[int] | torch.Tensor, index: int) -> torch.Tensor:
+    """One row of ids as a 1-d long tensor; refuses what a cast would change silently."""
+    try:
+        ids = torch.as_tensor(row)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"row {index} is not a sequence of int ids: {row!r} ({error})") from None
+    if ids.dim() != 1:
+        raise ValueError(
+            f"row {index} must be one sequence of ids (1-d), got shape {tuple(ids.shape)}; pass a (b, s) "
+            "tensor itself, not a list holding it"
+        )
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):  # [] is float32
+        raise ValueError(f"row {index} holds {ids.dtype} values, not integer ids: {ids.tolist()[:5]}")
+    return ids.long()
 
 
 def padding_positions(padding_mask: torch.Tensor) -> torch.Tensor:

@@ -97,44 +97,55 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _probabilities(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim of float64 scores, 0 for a row with no key it may attend
-    (a padding query): no NaN that a zero weight could carry into a real row."""
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(torch.isinf(top), 0.0, top)
-    weights = torch.exp(scores - top)
-    total = weights.sum(-1, keepdim=True)
-    return weights / torch.where(total == 0, 1.0, total)
-
-
 class _ExactAttention(torch.autograd.Function):
     """Attention in float64 that saves only q, k, v and the mask for backward (the (s, L)
-    probabilities are recomputed: float64 scores of a training pass would not fit)."""
+    probabilities are recomputed: float64 scores of a training pass would not fit).
+
+    Takes q as (b, h_kv, g * s, d): the g query heads that share a key head are rows of one
+    product, so keys and values are never repeated per head.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):  # type: ignore[no-untyped-def, override]
         ctx.save_for_backward(q, k, v, mask)
         ctx.scale = scale
-        probs = _probabilities(_scores(q, k, mask, scale))  # (b, h_kv, g, s, L)
-        return (probs @ v.double()[:, :, None]).to(q.dtype)  # (b, h_kv, g, s, d)
+        probs = _probabilities(q, k, mask, scale)  # (b, h_kv, g * s, L)
+        return (probs @ v.double()).to(q.dtype)  # (b, h_kv, g * s, d)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
         q, k, v, mask = ctx.saved_tensors
-        probs = _probabilities(_scores(q, k, mask, ctx.scale))  # (b, h_kv, g, s, L)
-        grad = grad.double()
-        v64 = v.double()[:, :, None]  # (b, h_kv, 1, L, d)
-        grad_v = (probs.transpose(-1, -2) @ grad).sum(2)  # (b, h_kv, L, d)
-        grad_probs = grad @ v64.transpose(-1, -2)  # (b, h_kv, g, s, L)
+        probs = _probabilities(q, k, mask, ctx.scale)  # (b, h_kv, g * s, L)
+        grad = grad.double()  # (b, h_kv, g * s, d)
+        grad_v = probs.transpose(-1, -2) @ grad  # (b, h_kv, L, d)
+        grad_probs = grad @ v.double().transpose(-1, -2)  # (b, h_kv, g * s, L)
         grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) * ctx.scale
-        grad_q = grad_scores @ k.double()[:, :, None]  # (b, h_kv, g, s, d)
-        grad_k = (grad_scores.transpose(-1, -2) @ q.double()).sum(2)  # (b, h_kv, L, d)
+        grad_q = grad_scores @ k.double()  # (b, h_kv, g * s, d)
+        grad_k = grad_scores.transpose(-1, -2) @ q.double()  # (b, h_kv, L, d)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    scores = (q.double() @ k.double()[:, :, None].transpose(-1, -2)) * scale  # (b, h_kv, g, s, L)
-    return scores.masked_fill(~mask, float("-inf"))
+def _probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax of the float64 scores of q (b, h_kv, g * s, d) against k (b, h_kv, L, d), under
+    ``mask`` (broadcastable to (b, h_kv, g, s, L)): (b, h_kv, g * s, L). A query with no key
+    it may attend (a padding query) gets zeros, not the NaN a zero weight would carry on."""
+    b, h_kv, rows, _ = q.shape
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale  # (b, h_kv, g * s, L)
+    s, L = mask.shape[-2], scores.shape[-1]
+    scores = scores.view(b, h_kv, rows // s, s, L).masked_fill(~mask, float("-inf"))  # (b, h_kv, g, s, L)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    return (weights / torch.where(total == 0, 1.0, total)).view(b, h_kv, rows, L)
+
+
+def _head_mask(mask: torch.Tensor, b: int, h: int, h_kv: int, s: int, L: int) -> torch.Tensor:
+    """An SDPA mask (broadcastable to (b, h, s, L)) as one broadcastable to (b, h_kv, g, s, L),
+    without a copy where it has one head (attn's masks)."""
+    if mask.dim() < 4 or mask.shape[1] == 1:
+        return mask.reshape(*(1,) * (4 - mask.dim()), *mask.shape).unsqueeze(2)  # (b or 1, 1, 1, s or 1, L or 1)
+    return mask.expand(b, h, s, L).reshape(b, h_kv, h // h_kv, s, L)
 
 
 def exact_attention(
@@ -169,11 +180,12 @@ def exact_attention(
         raise ValueError(f"{h} query heads against {h_kv} key heads need enable_gqa=True")
     if is_causal:
         attn_mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
-    mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device) if attn_mask is None else attn_mask
-    mask = mask.expand(b, h, s, L).reshape(b, h_kv, h // h_kv, s, L)  # (b, h_kv, g, s, L)
-    q = q.reshape(b, h_kv, h // h_kv, s, d)  # (b, h_kv, g, s, d)
-    out = _ExactAttention.apply(q, k, v, mask, 1.0 / math.sqrt(d) if scale is None else scale)
-    return out.reshape(b, h, s, d)
+    if attn_mask is None:
+        attn_mask = torch.ones((s, L), dtype=torch.bool, device=q.device)
+    mask = _head_mask(attn_mask.expand(*attn_mask.shape[:-2], s, L), b, h, h_kv, s, L)
+    rows = q.reshape(b, h_kv, (h // h_kv) * s, d)  # (b, h_kv, g * s, d): head-major, as q's heads
+    out = _ExactAttention.apply(rows, k, v, mask, 1.0 / math.sqrt(d) if scale is None else scale)
+    return out.view(b, h, s, d)
 
 
 def _exact_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

@@ -353,8 +353,12 @@ def test_workloads_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "read bandwidth" in out and "speedup" in out and "DIFFER" not in out
 
 
-def test_rl_runs_every_comparison_and_parity_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--rl", "--config", "tiny", "--rl-shape", "2,3,16,8", "--repeats", "1", "--threads", "1"]) == 0
+def test_rl_runs_every_comparison_and_parity_is_exact(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    args = ["--rl", "--config", "tiny", "--rl-shape", "2,3,16,8", "--repeats", "1", "--threads", "1"]
+    assert bench.main([*args, "--json", str(tmp_path / "rl.json")]) == 0
+    document = json.loads((tmp_path / "rl.json").read_text())
+    assert [c["name"] for c in document["comparisons"]] == ["logprobs", "policy step"]
+    assert {g["mode"] for g in document["parity_gap"] if g["max_abs"] == 0.0} >= {"attn parity"}
     out = capsys.readouterr().out
     assert "logprobs: log-probs agree" in out and "target >= 3.0x" in out and "target >= 1.5x" in out
     assert "peak RSS" in out and "read bandwidth" in out

@@ -424,6 +424,13 @@ BAD_CONFIGS = [
     # invalid configs
     ("no hidden_size", _drop("hidden_size"), InvalidConfigError, r"lacks the required key 'hidden_size'"),
     ("string heads", _set(num_attention_heads="4"), InvalidConfigError, r"num_attention_heads must be an integer"),
+    ("NaN eps", _set(rms_norm_eps=float("nan")), InvalidConfigError, r"rms_norm_eps must be a finite number, got nan"),
+    (
+        "infinite base",
+        _set(rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": float("inf")}),
+        InvalidConfigError,
+        r"rope_theta must be a finite number, got inf",
+    ),
     (
         "heads vs kv heads",
         _set(num_key_value_heads=3),

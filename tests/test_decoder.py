@@ -176,7 +176,7 @@ def test_teardown() -> None:
         (dict(vocab_size=0), r"DecoderConfig.vocab_size must be a positive int, got 0"),
         (dict(max_seq_len=-2), r"DecoderConfig.max_seq_len must be a positive int, got -2"),
         (dict(head_dim=5), r"head_dim must be a positive even int"),
-        (dict(norm_eps=0.0), r"norm_eps \(0.0\) and rope_base"),
+        (dict(norm_eps=0.0), r"DecoderConfig.norm_eps must be a finite positive number, got 0.0"),
     ],
 )
 def test_bad_config(overrides: dict, message: str) -> None:
@@ -413,3 +413,12 @@ def test_first_kv_cache_is_the_first_layers_or_none() -> None:
     assert model.first_kv_cache() is model.kv_caches()[0] and model.first_kv_cache().batch_size == 4
     model.teardown_caches()
     assert model.first_kv_cache() is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("norm_eps", float("nan")), ("norm_eps", float("inf")), ("rope_base", float("inf")), ("rope_base", True)],
+)
+def test_config_refuses_a_non_finite_eps_or_base(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"DecoderConfig.{field} must be a finite positive number, got {value!r}"):
+        tiny_config(**{field: value})

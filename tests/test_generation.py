@@ -141,7 +141,7 @@ def test_compiled_model_generates_the_same_tokens() -> None:
         ([[1, 2], []], dict(max_new_tokens=2), r"rows \[1\] are empty"),
         ([], dict(max_new_tokens=2), r"at least one row"),
         ([[1, 2]], dict(max_new_tokens=0), r"max_new_tokens must be a positive int, got 0"),
-        ([[1, 2]], dict(max_new_tokens=2, temperature=-1.0), r"temperature must be >= 0"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature=-1.0), r"temperature must be a finite number >= 0 .*got -1.0"),
         ([[1, 2]], dict(max_new_tokens=2, top_k=0), r"top_k must be None or an int in \[1, 61\], got 0"),
         (
             [[1, 2]],
@@ -151,6 +151,16 @@ def test_compiled_model_generates_the_same_tokens() -> None:
         ([[1, 2]], dict(max_new_tokens=2, pad_id=-1), r"got \[-1\]"),
         ([[1, 99]], dict(max_new_tokens=2), r"prompt token ids must be in \[0, 61\), got min 1 and max 99"),
         (torch.ones(3, dtype=torch.long), dict(max_new_tokens=2), r"must be \(batch, seq_len\)"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature="1"), r"temperature must be a finite number >= 0 .*got '1'"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature=True), r"temperature must be a finite number >= 0 .*got True"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature=float("inf")), r"got inf"),
+        ([[1, 2]], dict(max_new_tokens=2, temperature=1e-300), r"temperature 1e-300 is below 1e-06.*temperature=0"),
+        ([[1, 2]], dict(max_new_tokens=2, top_k=True), r"top_k must be None or an int in \[1, 61\], got True"),
+        ([[1, 2]], dict(max_new_tokens=2, stop_tokens=[2.5]), r"stop_tokens and pad_id must be ids .*got \[2\.5\]"),
+        ([[1.5, 2.0]], dict(max_new_tokens=2), r"row 0 holds torch.float32 values, not integer ids: \[1\.5, 2\.0\]"),
+        ([[True, False]], dict(max_new_tokens=2), r"row 0 holds torch.bool values"),
+        ([torch.ones(2, 3, dtype=torch.long)], dict(max_new_tokens=2), r"row 0 must be one sequence of ids \(1-d\)"),
+        (torch.ones(2, 3), dict(max_new_tokens=2), r"row 0 holds torch.float32 values"),
     ],
 )
 def test_bad_arguments(prompts: object, kwargs: dict, message: str) -> None:
@@ -354,3 +364,19 @@ def test_groups_split_rows_into_prompts_and_completions() -> None:
         out.groups(3)
     with pytest.raises(ValueError, match=r"rows 0\.\.3 hold different prompts"):
         out.groups(4)
+
+
+def test_stop_tokens_may_be_a_tensor() -> None:
+    model = tiny_model(10)
+    as_list = generate(model, [[3, 4]], max_new_tokens=6, stop_tokens=[5, 9])
+    as_tensor = generate(model, [[3, 4]], max_new_tokens=6, stop_tokens=torch.tensor([5, 9]))
+    assert torch.equal(as_list.tokens, as_tensor.tokens)
+
+
+def test_outputs_are_ordinary_tensors_under_the_callers_inference_mode() -> None:
+    model = tiny_model(11)
+    with torch.inference_mode():
+        out = generate(model, [[3, 4], [5]], max_new_tokens=3, return_logits=True)
+    tensors = (out.tokens, out.padding_mask, out.positions, out.logprobs, out.logits)
+    assert not any(t.is_inference() for t in tensors)
+    model(out.tokens, input_pos=out.positions, mask=padded_causal_mask(out.padding_mask)).sum().backward()

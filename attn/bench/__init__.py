@@ -20,11 +20,13 @@ Example::
     python -m attn bench --config tiny --repeats 1 --prompt-len 8 --new-tokens 8 --no-memory
     python -m attn bench --json bench.json --plot bench.png
     python -m attn bench --workloads                    # GRPO fork and shared-context scoring
+    python -m attn bench --rl                           # GRPO log-prob passes, parity mode's cost and gap
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -390,5 +392,16 @@ def _run_rl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     comparisons, costs, gaps = run_rl(spec)
     print(format_rl(comparisons, costs, gaps, spec, machine))
+    if args.json:
+        document = {
+            "machine": machine_info(),
+            "read_bandwidth_gbs": bandwidth,
+            "spec": {"dtype": str(dtype), "threads": threads, "group": list(spec.group), "gap": list(spec.gap)},
+            "comparisons": [dataclasses.asdict(c) for c in comparisons],
+            "parity_cost": [dataclasses.asdict(c) for c in costs],
+            "parity_gap": [dataclasses.asdict(g) for g in gaps],
+        }
+        args.json.write_text(json.dumps(document, indent=2, default=str))
+        print(f"JSON written to {args.json}")
     parity_exact = all(g.max_abs == 0.0 for g in gaps if g.mode == "attn parity")  # bf16 and fp32
     return 0 if parity_exact and all("DIFFER" not in c.detail for c in comparisons) else 1
