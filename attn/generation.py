@@ -15,8 +15,8 @@ run it under inference mode (``attn.compat.generation_fallback``) runs under
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
