@@ -100,12 +100,21 @@ class MultiHeadAttention(nn.Module):
         self, batch_size: int, max_seq_len: int, *, dtype: torch.dtype, device: torch.device | str | None
     ) -> None:
         """Gives the layer a fresh, empty cache (replacing any old one)."""
+        self.take_cache(self.new_cache(batch_size, max_seq_len, dtype=dtype, device=device))
+
+    def new_cache(
+        self, batch_size: int, max_seq_len: int, *, dtype: torch.dtype, device: torch.device | str | None
+    ) -> KVCache:
+        """A fresh, empty cache sized for this layer, not yet its own (``take_cache``)."""
         if max_seq_len > self.max_seq_len:
             raise ValueError(
                 f"cache max_seq_len ({max_seq_len}) exceeds the {self.max_seq_len} positions the "
                 "RoPE table covers; build the model with a larger max_seq_len"
             )
-        cache = KVCache(batch_size, self.num_kv_heads, max_seq_len, self.head_dim, dtype=dtype, device=device)
+        return KVCache(batch_size, self.num_kv_heads, max_seq_len, self.head_dim, dtype=dtype, device=device)
+
+    def take_cache(self, cache: KVCache) -> None:
+        """Makes ``cache`` the layer's, tearing down the old one (cannot fail)."""
         self.teardown_cache()
         self.kv_cache = cache
 

@@ -198,8 +198,16 @@ class TransformerDecoder(nn.Module):
                 f"{self.config.max_seq_len} or build the model with a larger DecoderConfig.max_seq_len"
             )
         weight = self.tok_embeddings.weight
-        for attention in self._attention():
-            attention.setup_cache(batch_size, max_seq_len, dtype=dtype or weight.dtype, device=device or weight.device)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"setup_caches dtype {dtype!r} cannot hold keys and values; pass a floating dtype "
+                f"(None: the model's, {weight.dtype})"
+            )
+        layers = self._attention()
+        dtype, device = dtype or weight.dtype, device or weight.device
+        caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]  # allocate all,
+        for attention, cache in zip(layers, caches, strict=True):  # then replace: no layer is left half set up
+            attention.take_cache(cache)
 
     def caches_are_setup(self) -> bool:
         """Do the layers have KV-caches?"""
@@ -254,23 +262,29 @@ class TransformerDecoder(nn.Module):
 
     def select_caches(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keeps the cache rows ``rows`` in every layer (``KVCache.select``): drop finished
-        rows, reorder them, or copy one prompt's rows. Checked once, before any layer changes."""
+        rows, reorder them, or copy one prompt's rows. Checked once, and every layer's new
+        buffers allocated, before any layer changes."""
         caches = self._caches_or_raise()
-        caches[0].select(rows)  # every layer holds the same rows
-        index = torch.as_tensor(rows, device=caches[0].k_cache.device)
-        for cache in caches[1:]:
-            cache.select(index, checked=True)
+        self._keep_rows(caches, caches[0].row_index(rows))  # every layer holds the same rows
 
     def fork_caches(self, num_copies: int) -> None:
         """Repeats every cache row ``num_copies`` times in place, row i becoming rows
         ``i * num_copies .. (i + 1) * num_copies - 1``: prefill each prompt once, then sample
-        ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does)."""
+        ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does). Every
+        layer's new buffers are allocated before any layer changes."""
         if not isinstance(num_copies, int) or isinstance(num_copies, bool) or num_copies <= 0:
             raise ValueError(f"num_copies must be a positive int, got {num_copies!r}")
         caches = self._caches_or_raise()
         rows = torch.arange(caches[0].batch_size, device=caches[0].k_cache.device).repeat_interleave(num_copies)
-        for cache in caches:
-            cache.select(rows, checked=True)  # in range by construction
+        self._keep_rows(caches, rows)
+
+    @staticmethod
+    def _keep_rows(caches: list[KVCache], rows: torch.Tensor) -> None:
+        """Every layer's new buffers are allocated before any layer takes its own: running out
+        of memory halfway leaves every layer as it was."""
+        buffers = [cache.gather(rows) for cache in caches]
+        for cache, (k, v) in zip(caches, buffers, strict=True):
+            cache.keep(k, v)
 
     def _caches_or_raise(self) -> list[KVCache]:
         if not self.caches_are_setup():

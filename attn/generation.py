@@ -171,7 +171,8 @@ def generate(
     ``attn.kv_cache.SLOT_STEP`` (at most the model's ``max_seq_len``), so that a compiled model
     (``torch.compile`` with static shapes, ``attn.compile_for_decode``) does not compile again
     for every new length; the slots past a row's tokens are masked. If it has caches, they
-    are reset and must fit the batch and the length; the passes attend over as many of their
+    are reset and must fit the batch and the length (a call that fails or is interrupted
+    leaves them set up as it found them, rows and capacity, and empty); the passes attend over as many of their
     slots as a cache of its own would hold (``attn.attended_slots``), not over all of them.
     A row stops after it produces any of ``stop_tokens``; the call ends when every row has
     stopped.
@@ -239,12 +240,13 @@ def generate(
                 f"model's cache has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
                 f"setup_caches({rows}, {total}) or teardown_caches() to let generate make its own"
             )
-        model.reset_caches()
-        if num_samples > 1:
-            model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
     if owns_cache:  # rounded up, so that a compiled model compiles once for similar lengths
         model.setup_caches(b, attended_slots(total, config.max_seq_len))
     try:
+        if not owns_cache:
+            model.reset_caches()
+            if num_samples > 1:
+                model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
         steps = _decode(
             model,
             attended_slots(total, model.kv_caches()[0].max_seq_len),
@@ -260,6 +262,10 @@ def generate(
             on_tokens,
             num_samples,
         )
+    except BaseException:  # an error or an interrupt (KeyboardInterrupt) on the caller's caches
+        if not owns_cache:
+            _restore_rows(model, rows)
+        raise
     finally:
         if owns_cache:
             model.teardown_caches()
@@ -276,6 +282,15 @@ def generate(
             logprobs=logprobs.clone(),
             logits=None if logits is None else logits.clone(),
         )
+
+
+def _restore_rows(model: nn.Module, rows: int) -> None:
+    """Leaves the caller's caches as generate found them set up (``rows`` rows), empty: a
+    failed or interrupted generate never leaves them at the prefill's row count."""
+    filled_rows = model.kv_caches()[0].batch_size
+    if filled_rows != rows:
+        model.fork_caches(rows // filled_rows)  # the prefill ran on one row a prompt
+    model.reset_caches()
 
 
 def _decode(

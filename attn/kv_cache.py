@@ -230,7 +230,7 @@ class KVCache(nn.Module):
         self.cache_pos.fill_(fill)
         self.last_write.zero_()
 
-    def select(self, rows: Sequence[int] | torch.Tensor, *, checked: bool = False) -> None:
+    def select(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keeps the cache rows ``rows``, in that order: a row may appear many times (a
         fork) or not at all. The batch size becomes ``len(rows)``.
 
@@ -239,26 +239,37 @@ class KVCache(nn.Module):
 
         Args:
             rows: 1-D row indices in ``[0, batch_size)``.
-            checked: the caller checked ``rows`` against a cache of the same batch size
-                already (the decoder does, once for all its layers); skips the host read.
 
         Raises:
             ValueError: ``rows`` is empty, not 1-D integers, or out of range; the cache is
                 unchanged.
         """
+        self.keep(*self.gather(self.row_index(rows)))
+
+    def row_index(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``rows`` checked against this cache's batch size (one host read), as a long index
+        on its device; raises as ``select`` does. A decoder checks once for every layer."""
         self._check_rows(self.batch_size)
         index = torch.as_tensor(rows, device=self.k_cache.device)
         if index.dim() != 1 or index.numel() == 0 or index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"rows must be a non-empty 1-D sequence of row indices, got {rows!r}")
-        if not checked:
-            low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
-            if low < 0 or high >= self.batch_size:
-                raise ValueError(
-                    f"rows must be in [0, {self.batch_size}) (the cache's batch size), got min {low} and max {high}"
-                )
+        low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
+        if low < 0 or high >= self.batch_size:
+            raise ValueError(
+                f"rows must be in [0, {self.batch_size}) (the cache's batch size), got min {low} and max {high}"
+            )
+        return index.long()
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers ``select(index)`` keeps, as new tensors, the cache
+        unchanged: a multi-layer operation gathers every layer's before it keeps any
+        (``keep``), so that running out of memory halfway changes no layer."""
         with torch.inference_mode(False):  # fresh buffers are normal tensors, as in __init__
-            self.k_cache = self.k_cache[index.long()]
-            self.v_cache = self.v_cache[index.long()]
+            return self.k_cache[index], self.v_cache[index]
+
+    def keep(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Takes buffers from ``gather`` as the cache's own (cannot fail)."""
+        self.k_cache, self.v_cache = k_cache, v_cache
 
     def reset(self) -> None:
         """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""

@@ -422,3 +422,52 @@ def test_first_kv_cache_is_the_first_layers_or_none() -> None:
 def test_config_refuses_a_non_finite_eps_or_base(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"DecoderConfig.{field} must be a finite positive number, got {value!r}"):
         tiny_config(**{field: value})
+
+
+def _layer_failing(monkeypatch: pytest.MonkeyPatch, cls: type, name: str, fail_at: int) -> None:
+    """Makes ``cls.name`` raise MemoryError on its ``fail_at``-th call (0-based): out of memory halfway."""
+    original, calls = getattr(cls, name), []
+
+    def failing(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == fail_at + 1:
+            raise MemoryError("simulated: out of memory")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, failing)
+
+
+@pytest.mark.parametrize("operation", ["fork", "select"])
+def test_a_row_operation_that_runs_out_of_memory_halfway_changes_no_layer(
+    monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    model = tiny_model(3, num_layers=4)
+    model.setup_caches(2, 16)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    before = cache_state(model)
+    _layer_failing(monkeypatch, attn.KVCache, "gather", fail_at=2)
+    with pytest.raises(MemoryError):
+        model.fork_caches(3) if operation == "fork" else model.select_caches([1, 0, 1])
+    assert [c.batch_size for c in model.kv_caches()] == [2, 2, 2, 2]
+    assert_cache_unchanged(model, before)
+
+
+def test_setup_caches_that_runs_out_of_memory_halfway_keeps_the_old_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(3, num_layers=4)
+    model.setup_caches(2, 16)
+    old = model.kv_caches()
+    _layer_failing(monkeypatch, attn.MultiHeadAttention, "new_cache", fail_at=2)
+    with pytest.raises(MemoryError):
+        model.setup_caches(5, 32)
+    assert model.kv_caches() == old and not any(c.torn_down for c in old)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32"])
+def test_setup_caches_refuses_a_dtype_that_cannot_hold_keys(dtype: object) -> None:
+    model = tiny_model(3)
+    model.setup_caches(1, 8)
+    old = model.kv_caches()
+    with pytest.raises(ValueError, match=r"setup_caches dtype .* cannot hold keys and values; pass a floating dtype"):
+        model.setup_caches(1, 8, dtype=dtype)  # type: ignore[arg-type]
+    assert model.kv_caches() == old

@@ -380,3 +380,30 @@ def test_outputs_are_ordinary_tensors_under_the_callers_inference_mode() -> None
     tensors = (out.tokens, out.padding_mask, out.positions, out.logprobs, out.logits)
     assert not any(t.is_inference() for t in tensors)
     model(out.tokens, input_pos=out.positions, mask=padded_causal_mask(out.padding_mask)).sum().backward()
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fail_in", ["prefill", "decode"])
+def test_a_failed_generate_leaves_the_callers_caches_set_up_as_it_found_them(fail_in: str) -> None:
+    model = tiny_model(12)
+    model.setup_caches(6, 32)
+    prompts = [[3, 4, 5], [6, 7]]
+
+    def fail(*_: object) -> None:
+        raise _Interrupt
+
+    if fail_in == "prefill":
+        hook = model.layers[1].register_forward_hook(fail)
+        with pytest.raises(_Interrupt):
+            generate(model, prompts, max_new_tokens=4, num_samples=3)
+        hook.remove()
+    else:
+        with pytest.raises(_Interrupt):
+            generate(model, prompts, max_new_tokens=4, num_samples=3, on_tokens=fail)
+    assert [(c.batch_size, c.max_seq_len, c.size) for c in model.kv_caches()] == [(6, 32, 0)] * 2
+    again = generate(model, prompts, max_new_tokens=4, num_samples=3)  # the identical call now runs
+    model.teardown_caches()
+    assert torch.equal(again.tokens, generate(model, prompts, max_new_tokens=4, num_samples=3).tokens)
