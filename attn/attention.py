@@ -23,6 +23,7 @@ from attn.kv_cache import KVCache, attended_slots
 from attn.norm import RMSNorm
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RotaryEmbedding
+from attn.threads import check_holder
 
 __all__ = ["MultiHeadAttention"]
 
@@ -95,6 +96,7 @@ class MultiHeadAttention(nn.Module):
         self.rope = RotaryEmbedding(head_dim, max_seq_len, rope_base) if rope is None else rope
         self.kv_cache: KVCache | None = None
         self.cache_mode: bool | None = None
+        self.cache_holder: int | None = None  # the thread inside a block that holds the caches (attn.threads)
 
     def setup_cache(
         self, batch_size: int, max_seq_len: int, *, dtype: torch.dtype, device: torch.device | str | None
@@ -160,6 +162,8 @@ class MultiHeadAttention(nn.Module):
         """
         b, s, _ = x.shape
         checked = use_cache is not None
+        if not checked and not torch.compiler.is_compiling():  # a decoder's layer: the decoder checked
+            check_holder(self)
         if use_cache is None:  # attn.policy.uses_cache, its inference-mode test in this frame
             use_cache = explicit_decision(self.kv_cache, self.cache_mode)
             if use_cache is None:

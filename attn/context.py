@@ -16,8 +16,10 @@ from torch import nn
 from attn import compat
 from attn.attention import MultiHeadAttention
 from attn.swap import swapped_attribute
+from attn.threads import holding
 
 __all__ = [
+    "cache_holder",
     "cached_inference",
     "cached_passes",
     "disable_kv_cache",
@@ -32,6 +34,12 @@ def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attn.MultiHeadAttention layers to set a cache mode on")
     return layers
+
+
+def cache_holder(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The current thread holds ``model``'s caches for the block (``attn.threads``): what
+    ``attn.generate`` does around its cache operations and passes."""
+    return holding(_attention_layers(model))
 
 
 @contextmanager
@@ -55,7 +63,7 @@ def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
             "kv_cache_mode(model, True) needs caches: call model.setup_caches(batch_size, "
             "max_seq_len) first, or use attn.local_kv_cache(model, ...)"
         )
-    with swapped_attribute(layers, "cache_mode", mode):
+    with holding(layers), swapped_attribute(layers, "cache_mode", mode):
         yield model
 
 
@@ -129,13 +137,14 @@ def local_kv_cache(
     Raises:
         RuntimeError: the model already has caches (they would be lost on exit).
     """
-    if model.caches_are_setup():
-        raise RuntimeError(
-            "local_kv_cache: the model already has caches set up and would lose them on exit; "
-            "call model.teardown_caches() first, or use the existing caches"
-        )
-    model.setup_caches(batch_size, max_seq_len, dtype=dtype, device=device)
-    try:
-        yield model
-    finally:
-        model.teardown_caches()
+    with holding(_attention_layers(model)):
+        if model.caches_are_setup():
+            raise RuntimeError(
+                "local_kv_cache: the model already has caches set up and would lose them on exit; "
+                "call model.teardown_caches() first, or use the existing caches"
+            )
+        model.setup_caches(batch_size, max_seq_len, dtype=dtype, device=device)
+        try:
+            yield model
+        finally:
+            model.teardown_caches()

@@ -24,6 +24,7 @@ from attn.norm import RMSNorm
 from attn.parity import ParityKernels
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
+from attn.threads import check_holder
 
 __all__ = ["DecoderConfig", "TransformerDecoder"]
 
@@ -197,6 +198,7 @@ class TransformerDecoder(nn.Module):
                 f"({self.config.max_seq_len}, the positions its RoPE table covers); use at most "
                 f"{self.config.max_seq_len} or build the model with a larger DecoderConfig.max_seq_len"
             )
+        check_holder(self.layers[0].attn)
         weight = self.tok_embeddings.weight
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(
@@ -287,12 +289,14 @@ class TransformerDecoder(nn.Module):
             cache.keep(k, v)
 
     def _caches_or_raise(self) -> list[KVCache]:
+        check_holder(self.layers[0].attn)
         if not self.caches_are_setup():
             raise RuntimeError("caches are not set up: call setup_caches() first")
         return self.kv_caches()
 
     def teardown_caches(self) -> None:
         """Removes the caches; forward passes run plain causal attention afterwards."""
+        check_holder(self.layers[0].attn)
         for attention in self._attention():
             attention.teardown_cache()
 
@@ -347,6 +351,8 @@ class TransformerDecoder(nn.Module):
         self._check_tokens(tokens, checked)
         b, s = tokens.shape
         first = self.layers[0].attn
+        if not torch.compiler.is_compiling():  # eager code only: no graph can guard a thread
+            check_holder(first)
         if use_cache is None:  # attn.policy.uses_cache, its inference-mode test in this frame
             use_cache = explicit_decision(first.kv_cache, first.cache_mode)
             if use_cache is None:

@@ -71,6 +71,7 @@ from torch import nn
 from attn import compat
 from attn.attention import default_pos_and_mask
 from attn.kv_cache import KVCache
+from attn.threads import check_holder
 
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
 
@@ -487,6 +488,7 @@ class DecodeCompiled(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
         _refuse_parity_mode(self.model)
+        check_holder(self.model.layers[0].attn)  # eager: the compiled step cannot tell threads apart
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
         if use_cache and not checked:  # before anything is written

@@ -23,7 +23,7 @@ from numbers import Integral, Real
 import torch
 from torch import nn
 
-from attn.context import cached_passes
+from attn.context import cache_holder, cached_passes
 from attn.kv_cache import attended_slots
 from attn.masks import left_pad, padding_positions, slot_mask
 
@@ -223,6 +223,45 @@ def generate(
             f"prompt token ids must be in [0, {config.vocab_size}), got min {int(prompt_tokens.min())} "
             f"and max {int(prompt_tokens.max())}"
         )
+    with cache_holder(model):  # another thread's call meanwhile raises (attn.threads)
+        steps = _generate_holding(
+            model, prompt_tokens, prompt_mask, total, rows, max_new_tokens, temperature, top_k, stops, pad_id,
+            generator, return_logits, on_tokens, num_samples,
+        )  # fmt: skip
+    new_tokens, new_mask, logprobs, logits = steps  # inference tensors; cloned out below
+    with torch.inference_mode(False):  # ordinary tensors, also when the caller is in inference mode
+        prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
+        tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b * G, P + N)
+        padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b * G, P + N)
+        return GenerationOutput(
+            tokens=tokens,
+            padding_mask=padding_mask,
+            positions=padding_positions(padding_mask),
+            prompt_length=P,
+            logprobs=logprobs.clone(),
+            logits=None if logits is None else logits.clone(),
+        )
+
+
+def _generate_holding(
+    model: nn.Module,
+    prompt_tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    total: int,
+    rows: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    stops: list[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+    return_logits: bool,
+    on_tokens: Callable[[torch.Tensor], None] | None,
+    num_samples: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``generate``'s cache set-up (or check and reset of the caller's caches) and decode."""
+    config = model.config
+    b, P = prompt_tokens.shape
     owns_cache = not model.caches_are_setup()
     if owns_cache:
         if total > config.max_seq_len:
@@ -269,19 +308,7 @@ def generate(
     finally:
         if owns_cache:
             model.teardown_caches()
-    new_tokens, new_mask, logprobs, logits = steps  # inference tensors; cloned out below
-    with torch.inference_mode(False):  # ordinary tensors, also when the caller is in inference mode
-        prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
-        tokens = torch.cat((prompt_tokens, new_tokens), dim=1).clone()  # (b * G, P + N)
-        padding_mask = torch.cat((prompt_mask, new_mask), dim=1).clone()  # (b * G, P + N)
-        return GenerationOutput(
-            tokens=tokens,
-            padding_mask=padding_mask,
-            positions=padding_positions(padding_mask),
-            prompt_length=P,
-            logprobs=logprobs.clone(),
-            logits=None if logits is None else logits.clone(),
-        )
+    return steps
 
 
 def _restore_rows(model: nn.Module, rows: int) -> None:
