@@ -224,10 +224,52 @@ def generate(
             f"and max {int(prompt_tokens.max())}"
         )
     with cache_holder(model):  # another thread's call meanwhile raises (attn.threads)
-        steps = _generate_holding(
-            model, prompt_tokens, prompt_mask, total, rows, max_new_tokens, temperature, top_k, stops, pad_id,
-            generator, return_logits, on_tokens, num_samples,
-        )  # fmt: skip
+        owns_cache = not model.caches_are_setup()
+        if owns_cache:
+            if total > config.max_seq_len:
+                raise ValueError(
+                    f"generate: the longest prompt ({P} tokens) plus max_new_tokens ({max_new_tokens}) "
+                    f"is {total}, more than the model's max_seq_len ({config.max_seq_len}); shorten the "
+                    "prompts or ask for fewer tokens"
+                )
+        else:
+            cache = model.kv_caches()[0]
+            if cache.batch_size != rows or total > cache.max_seq_len:
+                raise ValueError(
+                    f"generate: {b} prompts x {num_samples} samples of up to {P} prompt tokens plus max_new_tokens "
+                    f"({max_new_tokens}) need a cache of batch_size {rows} and max_seq_len >= {total}, but the "
+                    f"model's cache has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
+                    f"setup_caches({rows}, {total}) or teardown_caches() to let generate make its own"
+                )
+        if owns_cache:  # rounded up, so that a compiled model compiles once for similar lengths
+            model.setup_caches(b, attended_slots(total, config.max_seq_len))
+        try:
+            if not owns_cache:
+                model.reset_caches()
+                if num_samples > 1:
+                    model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
+            steps = _decode(
+                model,
+                attended_slots(total, model.kv_caches()[0].max_seq_len),
+                prompt_tokens,
+                prompt_mask,
+                max_new_tokens,
+                temperature,
+                top_k,
+                stops,
+                pad_id,
+                generator,
+                return_logits,
+                on_tokens,
+                num_samples,
+            )
+        except BaseException:  # an error or an interrupt (KeyboardInterrupt) on the caller's caches
+            if not owns_cache:
+                _restore_rows(model, rows)
+            raise
+        finally:
+            if owns_cache:
+                model.teardown_caches()
     new_tokens, new_mask, logprobs, logits = steps  # inference tensors; cloned out below
     with torch.inference_mode(False):  # ordinary tensors, also when the caller is in inference mode
         prompt_tokens, prompt_mask = (t.repeat_interleave(num_samples, 0) for t in (prompt_tokens, prompt_mask))
@@ -241,74 +283,6 @@ def generate(
             logprobs=logprobs.clone(),
             logits=None if logits is None else logits.clone(),
         )
-
-
-def _generate_holding(
-    model: nn.Module,
-    prompt_tokens: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    total: int,
-    rows: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    stops: list[int],
-    pad_id: int,
-    generator: torch.Generator | None,
-    return_logits: bool,
-    on_tokens: Callable[[torch.Tensor], None] | None,
-    num_samples: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``generate``'s cache set-up (or check and reset of the caller's caches) and decode."""
-    config = model.config
-    b, P = prompt_tokens.shape
-    owns_cache = not model.caches_are_setup()
-    if owns_cache:
-        if total > config.max_seq_len:
-            raise ValueError(
-                f"generate: the longest prompt ({P} tokens) plus max_new_tokens ({max_new_tokens}) "
-                f"is {total}, more than the model's max_seq_len ({config.max_seq_len}); shorten the "
-                "prompts or ask for fewer tokens"
-            )
-    else:
-        cache = model.kv_caches()[0]
-        if cache.batch_size != rows or total > cache.max_seq_len:
-            raise ValueError(
-                f"generate: {b} prompts x {num_samples} samples of up to {P} prompt tokens plus max_new_tokens "
-                f"({max_new_tokens}) need a cache of batch_size {rows} and max_seq_len >= {total}, but the "
-                f"model's cache has batch_size {cache.batch_size} and max_seq_len {cache.max_seq_len}; call "
-                f"setup_caches({rows}, {total}) or teardown_caches() to let generate make its own"
-            )
-    if owns_cache:  # rounded up, so that a compiled model compiles once for similar lengths
-        model.setup_caches(b, attended_slots(total, config.max_seq_len))
-    try:
-        if not owns_cache:
-            model.reset_caches()
-            if num_samples > 1:
-                model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
-        steps = _decode(
-            model,
-            attended_slots(total, model.kv_caches()[0].max_seq_len),
-            prompt_tokens,
-            prompt_mask,
-            max_new_tokens,
-            temperature,
-            top_k,
-            stops,
-            pad_id,
-            generator,
-            return_logits,
-            on_tokens,
-            num_samples,
-        )
-    except BaseException:  # an error or an interrupt (KeyboardInterrupt) on the caller's caches
-        if not owns_cache:
-            _restore_rows(model, rows)
-        raise
-    finally:
-        if owns_cache:
-            model.teardown_caches()
-    return steps
 
 
 def _restore_rows(model: nn.Module, rows: int) -> None:
