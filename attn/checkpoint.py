@@ -62,8 +62,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.checks import is_int, is_number
+from attn.decoder import DecoderConfig, TransformerDecoder, decoder_of
 from attn.dtypes import dtype_from_name, long_name
+from attn.errors import first_line
 from attn.rope import RopeScaling
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "CheckpointError",
     "CheckpointWarning",
+    "CorruptFileError",
     "InvalidConfigError",
     "MissingTensorError",
     "TensorDtypeError",
@@ -145,6 +148,10 @@ class UnsupportedArchitectureError(CheckpointError):
 
 class UnsupportedConfigError(CheckpointError):
     """config.json asks for an option attn does not implement (rope scaling, biases, ...)."""
+
+
+class CorruptFileError(CheckpointError):
+    """A checkpoint file that cannot be read: JSON that does not parse, a truncated shard."""
 
 
 class InvalidConfigError(CheckpointError):
@@ -318,6 +325,8 @@ def _check_architecture(hf_config: Mapping[str, Any]) -> str:
             "config.json names neither 'model_type' nor 'architectures': cannot tell which "
             f"model it describes; attn loads {supported}"
         )
+    if model_type is not None and not isinstance(model_type, str):
+        raise InvalidConfigError(f"config.json's 'model_type' must be a string such as 'llama', got {model_type!r}")
     if model_type is not None and model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} is not supported: attn loads {supported}")
     if architectures is not None:
@@ -488,7 +497,7 @@ def _rope_theta(params: Mapping[str, Any], hf_config: Mapping[str, Any]) -> floa
         )
     if theta is None:
         return _ROPE_THETA_DEFAULT
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta):
+    if not is_number(theta) or not math.isfinite(theta):
         raise InvalidConfigError(f"config.json rope_theta must be a finite number, got {theta!r}")
     return float(theta)
 
@@ -507,14 +516,14 @@ def _get(hf_config: Mapping[str, Any], key: str, default: Any) -> Any:
 
 def _get_int(hf_config: Mapping[str, Any], key: str, default: Any = _NO_DEFAULT) -> Any:
     value = _get(hf_config, key, default)
-    if value is not default and (isinstance(value, bool) or not isinstance(value, int)):
+    if value is not default and not is_int(value):
         raise InvalidConfigError(f"config.json {key} must be an integer, got {value!r}")
     return value
 
 
 def _get_float(hf_config: Mapping[str, Any], key: str, default: Any) -> float:
     value = _get(hf_config, key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise InvalidConfigError(f"config.json {key} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise InvalidConfigError(f"config.json {key} must be a finite number, got {value!r}")
@@ -586,17 +595,18 @@ def _read_index(directory: Path) -> _Index:
         shards = [single]
         listed: dict[str, str] = {}
     elif index_path.is_file():
-        index = json.loads(index_path.read_text())
+        index = _read_json(index_path)
         listed = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(listed, dict):
             raise InvalidConfigError(f"{index_path} has no 'weight_map' dict")
         shards = []
-        for shard in sorted(set(listed.values())):
+        for shard in listed.values():
             if not isinstance(shard, str) or Path(shard).name != shard:
                 raise InvalidConfigError(
                     f"{index_path} names shard {shard!r}: a shard must be a file name in the "
                     "checkpoint directory, not a path"
                 )
+        for shard in sorted(set(listed.values())):
             if not (directory / shard).is_file():
                 raise FileNotFoundError(
                     f"{index_path} lists shard {shard!r}, which is not in {directory}: copy "
@@ -613,7 +623,7 @@ def _read_index(directory: Path) -> _Index:
         raise FileNotFoundError(f"{directory} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
     files: dict[str, Path] = {}
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
+        with _safe_open(shard) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 if name in files:
                     raise InvalidConfigError(f"tensor {name!r} is stored twice, in {files[name].name} and {shard.name}")
@@ -698,7 +708,24 @@ def _check_dequantized(quantization: Any, index: _Index) -> None:
 
 
 def _open_all(stack: ExitStack, index: _Index) -> dict[Path, Any]:
-    return {shard: stack.enter_context(safe_open(shard, framework="pt")) for shard in sorted(set(index.files.values()))}
+    return {shard: stack.enter_context(_safe_open(shard)) for shard in sorted(set(index.files.values()))}
+
+
+def _safe_open(shard: Path) -> Any:
+    try:
+        return safe_open(shard, framework="pt")
+    except Exception as error:  # safetensors' SafetensorError (a bad header, a short file), or an OSError
+        raise CorruptFileError(
+            f"{shard} is not a readable safetensors file ({first_line(error)}): it may be truncated or "
+            "corrupt; download it again"
+        ) from error
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CorruptFileError(f"{path} is not valid JSON ({error}): fix it, or download it again") from None
 
 
 # ---------------------------------------------------------------------------- load / save
@@ -748,13 +775,13 @@ def load_pretrained(
             f"{config_path} not found: load_pretrained takes a local checkpoint directory "
             "(config.json plus safetensors weights), as written by save_pretrained"
         )
-    hf_config = json.loads(config_path.read_text())
+    hf_config = _read_json(config_path)
     if not isinstance(hf_config, dict):
         raise InvalidConfigError(f"{config_path} must hold a JSON object")
     config = config_from_hf(hf_config)
     if max_seq_len is not None:
         limit = config.max_seq_len
-        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or not 0 < max_seq_len <= limit:
+        if not is_int(max_seq_len) or not 0 < max_seq_len <= limit:
             raise ValueError(f"max_seq_len must be an int in [1, {limit}] (its context), got {max_seq_len!r}")
         config = dataclasses.replace(config, max_seq_len=max_seq_len)
     dtype = _resolve_dtype(dtype) or _config_dtype(hf_config) or torch.float32
@@ -765,17 +792,20 @@ def load_pretrained(
     names = hf_tensor_names(config)
     _check_names(index, names, config)
 
-    model = _empty_model(config, dtype=dtype, device=device)
-    params = dict(model.named_parameters())
-    if set(params) != set(names):  # attn's own layout changed: a bug here, not the user's
+    with torch.device("meta"):  # shapes only: nothing is allocated before every header is checked
+        model = TransformerDecoder(config).to(dtype=dtype)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    if set(shapes) != set(names):  # attn's own layout changed: a bug here, not the user's
         raise RuntimeError(
-            f"attn's parameters {sorted(set(params) ^ set(names))[:4]} do not match the "
+            f"attn's parameters {sorted(set(shapes) ^ set(names))[:4]} do not match the "
             "checkpoint name table in attn/checkpoint.py: update the table"
         )
     with ExitStack() as stack:
         readers = _open_all(stack, index)
         for ours, theirs in names.items():
-            _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs), params[ours].shape, index)
+            _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs), shapes[ours], index)
+        model = _materialize(model, device)
+        params = dict(model.named_parameters())
         with torch.no_grad():
             for ours, theirs in names.items():
                 params[ours].copy_(readers[index.files[theirs]].get_tensor(theirs))
@@ -787,17 +817,13 @@ def load_pretrained(
     return model.eval()
 
 
-def _empty_model(config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> TransformerDecoder:
-    """The model with uninitialized parameters, each of which the checkpoint then overwrites.
-
-    Built on the meta device, so no time or memory goes to a random init (seconds and a
-    second fp32 copy for a 1B model). Buffers hold derived values that their modules rebuild
-    when moved (the RoPE table); tests/test_checkpoint.py checks they equal a fresh model's.
-    """
-    with torch.device("meta"):
-        model = TransformerDecoder(config)
+def _materialize(model: TransformerDecoder, device: torch.device | str | None) -> TransformerDecoder:
+    """A model built on the meta device, given uninitialized parameters on ``device``, each of
+    which the checkpoint then overwrites: no time or memory goes to a random init (seconds and
+    a second fp32 copy for a 1B model). Buffers hold derived values that their modules rebuild
+    when moved (the RoPE table); tests/test_checkpoint.py checks they equal a fresh model's."""
     target = torch.device(device) if device is not None else torch.get_default_device()
-    return model.to(dtype=dtype).to_empty(device=target)
+    return model.to_empty(device=target)
 
 
 def _check_tied_head(head: torch.Tensor, embedding: torch.Tensor, index: _Index) -> None:
@@ -824,7 +850,8 @@ def save_pretrained(
     ``load_pretrained`` and transformers' ``AutoModelForCausalLM.from_pretrained`` read it.
 
     Args:
-        model: the model to save (a torch.compile'd model is unwrapped).
+        model: the model to save (a ``torch.compile`` or ``attn.compile_for_decode``
+            wrapper is unwrapped).
         path: the directory; created if missing. Existing files of the same names are
             replaced.
         dtype: the stored dtype; None: the model's parameter dtype.
@@ -832,7 +859,7 @@ def save_pretrained(
     Returns:
         The directory's path.
     """
-    model = getattr(model, "_orig_mod", model)
+    model = decoder_of(model, "save_pretrained")
     names = hf_tensor_names(model.config)
     params = dict(model.named_parameters())
     dtype = _resolve_dtype(dtype) or params["tok_embeddings.weight"].dtype

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from attn.errors import first_line
+
 __all__ = ["main"]
 
 BENCH_MODULE = "attn.bench"
@@ -64,6 +66,18 @@ def _dtype(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:1") from None
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError("meta holds shapes, not weights, so it cannot generate; use cpu or cuda")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from attn import __version__
 
@@ -74,9 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"attn {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", help="on a failure, show Python's traceback (default: one line saying why)"
+    )
 
     demo = commands.add_parser(
         "demo",
+        parents=[common],
         help="train a tiny model, then run the eval, PPO and LoRA-PPO patterns on it",
         description=(
             "Trains a tiny decoder on two-number addition, then runs the eval, PPO and LoRA-PPO "
@@ -107,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser(
         "info",
+        parents=[common],
         help="torch release, cache policy, and what compile does with the inference-mode decision here",
         description="Reports the torch release, the KV-cache policy in force and why, Python and platform.",
     )
@@ -118,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate",
+        parents=[common],
         help="stream text from a checkpoint directory with its tokenizer (and chat template)",
         description=(
             "Loads a Hugging Face checkpoint directory (attn.load_pretrained) and its tokenizer.json "
@@ -151,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--device",
+        type=_device,
         default=None,
         help="where to load the model: cpu, cuda, cuda:1 (default: torch's default device, the CPU)",
     )
@@ -196,9 +218,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         result = run_demo(options, say=lambda text: print(text, flush=True))
     except torch._dynamo.exc.BackendCompilerFailed as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(
-            f"attn demo: torch.compile's backend {options.backend!r} failed: {first_line}\n"
+            f"attn demo: torch.compile's backend {options.backend!r} failed: {first_line(error)}\n"
             "try `--backend aot_eager`, which needs no C++ compiler",
             file=sys.stderr,
         )
@@ -350,7 +371,9 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             on_tokens=stream,
         )
         seconds = time.perf_counter() - start
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # attn's own: the message names the file or value and the fix
+        if args.debug:
+            raise
         print(f"attn generate: {error}", file=sys.stderr)
         return 1
     stream.finish()
@@ -430,3 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("attn: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # what the commands do not foresee: one line, the traceback on request
+        if args.debug:
+            raise
+        print(f"attn {args.command}: {first_line(error)} (--debug shows the traceback)", file=sys.stderr)
+        return 1

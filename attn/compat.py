@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from attn.errors import first_line
+
 __all__ = [
     "DEFAULT_POLICY",
     "ENV_VAR",
@@ -474,15 +476,16 @@ def warn_compiled_inference_decision() -> None:
 
 
 def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
-    """An inference-mode pass of several tokens continues a cache a decode loop filled."""
+    """An inference-mode pass of several tokens continues a cache that holds a finished
+    sequence (``attn.policy.inference_mode_decides`` says when)."""
     _warn_once(
         "inference-mode-onto-filled-cache",
         f"a forward pass of {num_tokens} tokens per row ran under torch.inference_mode() onto "
-        f"a KV-cache that already holds {filled} tokens of an earlier generation, so it was "
-        "appended to that sequence. To score without the cache, run it under torch.no_grad() "
-        "or inside attn.disable_kv_cache(model); to start a new sequence, call "
-        "model.reset_caches() first; to continue on purpose, use attn.cached_inference(model), "
-        "which never warns.",
+        f"a KV-cache that already holds {filled} tokens of an earlier sequence (a generation, a "
+        "decode step, a pass under the flag or a rewind ended it), so it was appended to that "
+        "sequence. To score without the cache, run it under torch.no_grad() or inside "
+        "attn.disable_kv_cache(model); to start a new sequence, call model.reset_caches() "
+        "first; to continue on purpose, use attn.cached_inference(model), which never warns.",
     )
 
 
@@ -672,11 +675,6 @@ class DistributedProbeResult(NamedTuple):
     """The first line of each error met, in order."""
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> DistributedProbeResult:
     """Runs tiny sharded linears under inference mode, then a grad step, on ``device``.
 
@@ -713,7 +711,7 @@ def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> Dist
             for _ in range(2):
                 model(x).sum().backward()
         except Exception as error:
-            errors.append(_first_line(error))
+            errors.append(first_line(error))
             return False
         return True
 
@@ -725,7 +723,7 @@ def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> Dist
             linear(x)
         tensor_parallel_inference_mode = True
     except Exception as error:
-        errors.append(_first_line(error))
+        errors.append(first_line(error))
         tensor_parallel_inference_mode = False
     return DistributedProbeResult(fsdp_runs, fsdp_inference_mode, tensor_parallel_inference_mode, tuple(errors))
 

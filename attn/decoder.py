@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from attn import compat
 from attn.attention import MultiHeadAttention, check_cached_pass, check_pass_inputs, default_pos_and_mask
+from attn.checks import check_positive_int, is_number
 from attn.kv_cache import KVCache
 from attn.norm import RMSNorm
 from attn.parity import ParityKernels
@@ -26,7 +27,7 @@ from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
 
-__all__ = ["DecoderConfig", "TransformerDecoder"]
+__all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,7 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
+            check_positive_int(getattr(self, name), f"DecoderConfig.{name}")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
@@ -92,13 +91,11 @@ class DecoderConfig:
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         for name in ("norm_eps", "rope_base"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not is_number(value) or not 0 < value < math.inf:
                 raise ValueError(f"DecoderConfig.{name} must be a finite positive number, got {value!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"DecoderConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
-        window = self.sliding_window
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
-            raise ValueError(f"DecoderConfig.sliding_window must be a positive int or None, got {window!r}")
+        check_positive_int(self.sliding_window, "DecoderConfig.sliding_window", or_none=True)
 
 
 class FeedForward(nn.Module):
@@ -189,9 +186,8 @@ class TransformerDecoder(nn.Module):
             dtype: cache dtype (default: the model's parameter dtype).
             device: cache device (default: the model's parameter device).
         """
-        for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"setup_caches {name} must be a positive int, got {value!r}")
+        check_positive_int(batch_size, "setup_caches batch_size")
+        check_positive_int(max_seq_len, "setup_caches max_seq_len")
         if max_seq_len > self.config.max_seq_len:
             raise ValueError(
                 f"setup_caches max_seq_len ({max_seq_len}) exceeds the model's max_seq_len "
@@ -274,8 +270,7 @@ class TransformerDecoder(nn.Module):
         ``i * num_copies .. (i + 1) * num_copies - 1``: prefill each prompt once, then sample
         ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does). Every
         layer's new buffers are allocated before any layer changes."""
-        if not isinstance(num_copies, int) or isinstance(num_copies, bool) or num_copies <= 0:
-            raise ValueError(f"num_copies must be a positive int, got {num_copies!r}")
+        check_positive_int(num_copies, "num_copies")
         caches = self._caches_or_raise()
         rows = torch.arange(caches[0].batch_size, device=caches[0].k_cache.device).repeat_interleave(num_copies)
         self._keep_rows(caches, rows)
@@ -348,7 +343,7 @@ class TransformerDecoder(nn.Module):
         """
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {last_only!r}")
-        self._check_tokens(tokens, checked)
+        self.check_tokens(tokens, checked=checked)
         b, s = tokens.shape
         first = self.layers[0].attn
         if not torch.compiler.is_compiling():  # eager code only: no graph can guard a thread
@@ -366,9 +361,23 @@ class TransformerDecoder(nn.Module):
         check_pass_inputs(input_pos, mask, b, s, cache)
         span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None  # before any write
         input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # window: per layer
-        if self.parity:
-            return self._parity_logits(tokens, input_pos, mask, use_cache, last_only)
-        return self._logits(tokens, input_pos, mask, use_cache, last_only)
+        run = self._parity_logits if self.parity else self._logits
+        if cache is None or torch.compiler.is_compiling():  # nothing to undo, or traced code
+            return run(tokens, input_pos, mask, use_cache, last_only)
+        return self._all_layers_or_none(run, cache, tokens, input_pos, mask, use_cache, last_only)
+
+    def _all_layers_or_none(self, run: Callable[..., torch.Tensor], cache: KVCache, *args: object) -> torch.Tensor:
+        """``run(*args)``, a pass that writes every layer's cache in turn; if it fails partway
+        (out of memory, an interrupt, a hook), the layers it wrote are rewound to the fill they
+        all had before, so no layer keeps the failed pass's tokens (the slots past a fill are
+        always zero: a rewind restores them bit for bit). Eager code only."""
+        fill = cache.cache_pos.clone()  # a copy on the device, no host read
+        try:
+            return run(*args)
+        except BaseException:
+            for layer_cache in self.kv_caches():
+                layer_cache.rewind(fill)
+            raise
 
     @torch.compiler.disable  # inductor would fuse and reorder what parity mode keeps in order
     def _parity_logits(self, *args: object) -> torch.Tensor:
@@ -393,7 +402,9 @@ class TransformerDecoder(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)  # (b, s, v)
         return self.output(h)  # (b, s, v)
 
-    def _check_tokens(self, tokens: torch.Tensor, checked: bool) -> None:
+    def check_tokens(self, tokens: torch.Tensor, *, checked: bool = False) -> None:
+        """Raises unless ``tokens`` is a (b, s) integer tensor of ids in ``[0, vocab_size)``;
+        the id range (one host read) is skipped where ``checked`` or under ``torch.compile``."""
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of ids, got {type(tokens).__name__}")
         if tokens.dim() != 2:
@@ -412,3 +423,21 @@ class TransformerDecoder(nn.Module):
                     f"token ids must be in [0, {self.config.vocab_size}), got min {low} and max "
                     f"{high}; check the tokenizer matches the model's vocab_size"
                 )
+
+
+def decoder_of(model: nn.Module, caller: str) -> TransformerDecoder:
+    """The ``TransformerDecoder`` behind ``model``: the model itself, a ``torch.compile`` of
+    it, or ``attn.compile_for_decode``'s wrapper (which keeps it as ``.model``).
+
+    Raises:
+        TypeError: ``model`` is none of these; the message names ``caller``.
+    """
+    base = getattr(model, "_orig_mod", model)
+    if not isinstance(base, TransformerDecoder):
+        base = getattr(base, "model", base)
+    if not isinstance(base, TransformerDecoder):
+        raise TypeError(
+            f"{caller} takes an attn.TransformerDecoder, a torch.compile of one or attn.compile_for_decode's "
+            f"wrapper, got {type(model).__name__}"
+        )
+    return base

@@ -70,6 +70,7 @@ from torch import nn
 
 from attn import compat
 from attn.attention import default_pos_and_mask
+from attn.checks import is_int
 from attn.kv_cache import KVCache
 from attn.threads import check_holder
 
@@ -489,6 +490,7 @@ class DecodeCompiled(nn.Module):
             return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
         _refuse_parity_mode(self.model)
         check_holder(self.model.layers[0].attn)  # eager: the compiled step cannot tell threads apart
+        self.model.check_tokens(tokens, checked=checked)  # the eager error, not one from inside the step
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
         if use_cache and not checked:  # before anything is written
@@ -536,7 +538,7 @@ def compile_for_decode(
         fast = attn.compile_for_decode(model)
         out = attn.generate(fast, [[1, 5, 9]], max_new_tokens=64)
     """
-    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 0:
+    if not is_int(max_rows) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
     if vector_bits not in (None, 128, 256, 512):
         raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
 
 import torch
 from torch import nn
 
+from attn.checks import bad_ids, check_positive_int, is_int, is_number
 from attn.context import cache_holder, cached_passes
 from attn.kv_cache import attended_slots
 from attn.masks import left_pad, padding_positions, slot_mask
@@ -79,7 +79,7 @@ class GenerationOutput:
                 rows hold different prompts.
         """
         rows = self.tokens.shape[0]
-        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0 or rows % num_samples:
+        if not is_int(num_samples) or num_samples <= 0 or rows % num_samples:
             raise ValueError(f"num_samples must be a positive int dividing the {rows} rows, got {num_samples!r}")
         P = self.prompt_length
         prompts = [row[real].tolist() for row, real in zip(self.tokens[:, :P], self.padding_mask[:, :P], strict=True)]
@@ -130,21 +130,20 @@ def _check_arguments(
     stop_tokens: Iterable[int] | None,
     pad_id: int,
 ) -> list[int]:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) or not 0.0 <= temperature < math.inf:
+    check_positive_int(max_new_tokens, "max_new_tokens")
+    if not is_number(temperature) or not 0.0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
     if 0.0 < temperature < MIN_TEMPERATURE:
         raise ValueError(
             f"temperature {temperature!r} is below {MIN_TEMPERATURE}: logits divided by it overflow to inf and "
             "the probabilities to NaN; sampling that cold is greedy, pass temperature=0"
         )
-    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 0 < top_k <= vocab_size):
+    if top_k is not None and not (is_int(top_k) and 0 < top_k <= vocab_size):
         raise ValueError(f"top_k must be None or an int in [1, {vocab_size}], got {top_k!r}")
     if isinstance(stop_tokens, torch.Tensor):
         stop_tokens = stop_tokens.reshape(-1).tolist()
     stops = list(stop_tokens or [])
-    bad = [t for t in [*stops, pad_id] if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size]
+    bad = bad_ids([*stops, pad_id], vocab_size)
     if bad:
         raise ValueError(f"stop_tokens and pad_id must be ids in [0, {vocab_size}), got {bad}")
     return [int(t) for t in stops]
@@ -215,8 +214,7 @@ def generate(
     prompt_tokens, prompt_mask = left_pad(prompts, pad_id, device)  # each (b, P)
     b, P = prompt_tokens.shape
     total = P + max_new_tokens
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    check_positive_int(num_samples, "num_samples")
     rows = b * num_samples
     if prompt_tokens.min() < 0 or prompt_tokens.max() >= config.vocab_size:
         raise ValueError(

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from attn.checks import check_positive_int, is_int
+
 __all__ = ["KVCache", "attended_slots"]
 
 SLOT_STEP = 64
@@ -64,8 +66,7 @@ class KVCache(nn.Module):
             ("max_seq_len", max_seq_len),
             ("head_dim", head_dim),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+            check_positive_int(value, f"KVCache {name}")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.torn_down = False
@@ -76,9 +77,9 @@ class KVCache(nn.Module):
             self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
-            # Tokens the latest update wrote (0 after a reset): a multi-token inference-mode
-            # pass after a single-token one is scoring after a generation (attn.policy warns).
-            self.register_buffer("last_write", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.chunk_end: int | None = None
+        """The fill a prefill chunk under plain inference mode left, while the next chunk may
+        continue it; ``None`` once anything else wrote or moved the cache (``attn.policy``)."""
 
     @property
     def batch_size(self) -> int:
@@ -118,9 +119,7 @@ class KVCache(nn.Module):
         self._check_rows(batch_size)
         if torch.compiler.is_compiling():
             return None
-        if span is not None and (
-            not isinstance(span, int) or isinstance(span, bool) or not 1 <= span <= self.max_seq_len
-        ):
+        if span is not None and not (is_int(span) and 1 <= span <= self.max_seq_len):
             raise ValueError(f"span must be an int in [1, {self.max_seq_len}] (the cache's max_seq_len), got {span!r}")
         filled = self.size
         if filled + seq_len > self.max_seq_len:
@@ -187,7 +186,6 @@ class KVCache(nn.Module):
         self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
         self.cache_pos.add_(s)
-        self.last_write.fill_(s)
         # Compiled code always takes the views: a span == L test there would be one more guard.
         if span is None or (not torch.compiler.is_compiling() and span == self.max_seq_len):
             return self.k_cache, self.v_cache
@@ -214,7 +212,7 @@ class KVCache(nn.Module):
                 raise ValueError(
                     f"rewind takes an int or a 0-dim integer tensor, got {fill.dtype} of shape {tuple(fill.shape)}"
                 )
-        elif not isinstance(fill, int) or isinstance(fill, bool):
+        elif not is_int(fill):
             raise ValueError(f"rewind takes an int or a 0-dim integer tensor, got {fill!r}")
         self._check_rows(self.batch_size)
         if not checked and not torch.compiler.is_compiling():
@@ -228,7 +226,7 @@ class KVCache(nn.Module):
         self.k_cache.masked_fill_(~kept[:, None], 0)
         self.v_cache.masked_fill_(~kept[:, None], 0)
         self.cache_pos.fill_(fill)
-        self.last_write.zero_()
+        self.chunk_end = None
 
     def select(self, rows: Sequence[int] | torch.Tensor) -> None:
         """Keeps the cache rows ``rows``, in that order: a row may appear many times (a
@@ -270,10 +268,11 @@ class KVCache(nn.Module):
     def keep(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Takes buffers from ``gather`` as the cache's own (cannot fail)."""
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.chunk_end = None
 
     def reset(self) -> None:
         """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""
         self.k_cache.zero_()
         self.v_cache.zero_()
         self.cache_pos.zero_()
-        self.last_write.zero_()
+        self.chunk_end = None

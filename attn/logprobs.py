@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attn.checks import bad_ids, is_int, is_number
 from attn.masks import left_pad, padding_positions
 
 __all__ = ["CompletionLogprobs", "completion_logprobs"]
@@ -91,7 +91,7 @@ def completion_logprobs(
     group_sizes = _check(config.vocab_size, config.max_seq_len, prompts, completions, temperature)
     flat = [c for group in completions for c in group]
     longest = max(map(len, flat))
-    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < longest):
+    if width is not None and (not is_int(width) or width < longest):
         raise ValueError(f"width must be an int >= the longest completion ({longest} tokens), got {width!r}")
     device = model.tok_embeddings.weight.device
     prompt_tokens, prompt_valid = left_pad(prompts, 0, device)  # each (B, P)
@@ -183,7 +183,7 @@ def _check(
     temperature: float,
 ) -> list[int]:
     """Raises on bad input; returns the group sizes."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+    if not is_number(temperature) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     if len(prompts) == 0 or len(prompts) != len(completions):
         raise ValueError(
@@ -200,7 +200,7 @@ def _check(
             if len(completion) == 0:
                 raise ValueError(f"completion {j} of group {i} is empty")
             ids = [*prompt, *completion]
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size]
+            bad = bad_ids(ids, vocab_size)
             if bad:
                 raise ValueError(f"prompt {i} / completion {j}: ids must be ints in [0, {vocab_size}), got {bad[:5]}")
             if len(prompt) + len(completion) > max_seq_len:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["left_pad", "padded_causal_mask", "padding_positions", "slot_mask"]
+__all__ = ["id_sequence", "left_pad", "padded_causal_mask", "padding_positions", "slot_mask"]
 
 
 def left_pad(
@@ -43,7 +43,7 @@ def left_pad(
     """
     if isinstance(rows, torch.Tensor) and rows.dim() != 2:
         raise ValueError(f"a tensor of rows must be (batch, seq_len), got shape {tuple(rows.shape)}")
-    rows = [_id_row(row, i) for i, row in enumerate(rows)]
+    rows = [id_sequence(row, f"row {i}") for i, row in enumerate(rows)]
     if not rows:
         raise ValueError("left_pad needs at least one row, got an empty batch")
     empty = [i for i, row in enumerate(rows) if row.numel() == 0]
@@ -58,19 +58,20 @@ def left_pad(
     return tokens.to(device), padding_mask.to(device)
 
 
-def _id_row(row: Sequence[int] | torch.Tensor, index: int) -> torch.Tensor:
-    """One row of ids as a 1-d long tensor; refuses what a cast would change silently."""
+def id_sequence(row: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
+    """One sequence of ids (a list, a 1-d tensor or array) as a 1-d long tensor; refuses what
+    a cast would change silently. ``name`` says which argument it was, for the error."""
     try:
         ids = torch.as_tensor(row)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise ValueError(f"row {index} is not a sequence of int ids: {row!r} ({error})") from None
+        raise ValueError(f"{name} is not a sequence of int ids: {row!r} ({error})") from None
     if ids.dim() != 1:
         raise ValueError(
-            f"row {index} must be one sequence of ids (1-d), got shape {tuple(ids.shape)}; pass a (b, s) "
+            f"{name} must be one sequence of ids (1-d), got shape {tuple(ids.shape)}; pass a (b, s) "
             "tensor itself, not a list holding it"
         )
     if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):  # [] is float32
-        raise ValueError(f"row {index} holds {ids.dtype} values, not integer ids: {ids.tolist()[:5]}")
+        raise ValueError(f"{name} holds {ids.dtype} values, not integer ids: {ids.tolist()[:5]}")
     return ids.long()
 
 

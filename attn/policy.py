@@ -91,13 +91,26 @@ def explicit_decision(cache: KVCache | None, flag: bool | None, *, warn: bool = 
 )
 def inference_mode_decides(cache: KVCache, num_tokens: int, compiled: bool) -> bool:
     """Rule 4's second half: is inference mode on? Always runs in eager code; ``compiled``
-    says a compiled forward called it (pass ``torch.compiler.is_compiling()``)."""
+    says a compiled forward called it (pass ``torch.compiler.is_compiling()``).
+
+    It also warns about the scoring trap. Under plain inference mode (no flag) a pass of
+    several tokens onto a cache that holds tokens is appended to them, which is what a
+    prefill in chunks wants and what scoring after a generation does by mistake. The rule:
+    such a pass continues a prefill, and does not warn, only if the cache's latest write
+    was itself a pass of several tokens under plain inference mode and nothing moved the
+    cache since (its fill is where that pass left it, ``KVCache.chunk_end``). After a decode
+    step, a pass under the flag (``attn.generate``, however few tokens it made, and
+    ``attn.cached_inference``), a rewind, a select or a fork, it warns once per process. A
+    decode step (one token) and a pass onto an empty cache never warn. Two plain passes of
+    several tokens in a row cannot be told from a prefill in two chunks, so they do not
+    warn; to continue a sequence on purpose in any other case, use the flag.
+    """
     if compiled:
         compat.warn_compiled_inference_decision()
     enabled = torch.is_inference_mode_enabled()
-    if enabled and num_tokens > 1 and int(cache.last_write) == 1:
-        # Several tokens onto a cache whose latest write was a decode step: not a prefill
-        # (the cache is not empty) nor a prefill chunk (its latest write had several
-        # tokens), but what scoring under plain inference mode after a generation does.
-        compat.warn_inference_mode_onto_filled_cache(cache.size, num_tokens)
+    if enabled and num_tokens > 1:
+        filled = cache.size  # one host read, in multi-token passes only (never in a decode step)
+        if filled and filled != cache.chunk_end:
+            compat.warn_inference_mode_onto_filled_cache(filled, num_tokens)
+        cache.chunk_end = filled + num_tokens
     return enabled

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attn.checks import check_positive_int
 from attn.context import cached_passes, local_kv_cache
+from attn.masks import id_sequence
 
 __all__ = ["ContinuationScore", "score_continuations"]
 
@@ -75,7 +77,8 @@ def score_continuations(
         best = max(range(len(scores)), key=lambda i: scores[i].logprob)
     """
     config = model.config
-    context, continuations = list(context), [list(c) for c in continuations]
+    context = id_sequence(context, "context").tolist()
+    continuations = [id_sequence(c, f"continuation {i}").tolist() for i, c in enumerate(continuations)]
     _check(config.vocab_size, config.max_seq_len, context, continuations, max_rows)
     rows = min(len(continuations), max_rows or len(continuations))
     longest = max(map(len, continuations))
@@ -123,12 +126,11 @@ def _check(
     if not continuations or any(not c for c in continuations):
         empty = [i for i, c in enumerate(continuations) if not c]
         raise ValueError(f"continuations must be a non-empty list of non-empty id lists; empty: {empty or 'the list'}")
-    if max_rows is not None and (not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0):
-        raise ValueError(f"max_rows must be a positive int or None, got {max_rows!r}")
+    check_positive_int(max_rows, "max_rows", or_none=True)
     ids = [t for seq in (context, *continuations) for t in seq]
-    bad = sorted({t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)}, key=str)
+    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
     if bad:
-        raise ValueError(f"token ids must be ints in [0, {vocab_size}), got {bad[:5]}")
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
     total = len(context) + max(map(len, continuations)) - 1
     if total > max_seq_len:
         raise ValueError(

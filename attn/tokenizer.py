@@ -30,6 +30,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from attn.errors import first_line
+
 __all__ = ["TokenizerFile"]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -87,7 +89,13 @@ class TokenizerFile:
             )
         self.path = file
         self.directory = file.parent
-        self._tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(file))
+        except Exception as error:  # the tokenizers library raises its own Exception kinds
+            raise ValueError(
+                f"{file} is not a tokenizer file the tokenizers library can read ({first_line(error)}): "
+                "it may be truncated or from a newer library; copy it again from the checkpoint"
+            ) from error
         config = self._read_json(TOKENIZER_CONFIG_FILE)
         generation = self._read_json(GENERATION_CONFIG_FILE)
         model = self._read_json(CONFIG_FILE)
@@ -117,7 +125,7 @@ class TokenizerFile:
             self.add_bos_token: bool = self._post_adds_bos
         else:
             self.add_bos_token = bool(add_bos) and self.bos_token_id is not None
-        self._templates = self._read_chat_templates(config)
+        self._templates, self._template_source = self._read_chat_templates(config)
         self.chat_template: str | None = self._templates.get("default")
 
     # -- text <-> ids -------------------------------------------------------------------
@@ -195,14 +203,27 @@ class TokenizerFile:
                 f"no chat template named {name!r} in {self.directory / TOKENIZER_CONFIG_FILE}; it has "
                 f"{self.chat_template_names}: pass one of them as chat_template="
             )
-        template = _environment().from_string(self._templates[name])
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **variables,
-        )
+        where = f"the chat template {name!r} in {self._template_source}"
+        try:
+            template = _environment().from_string(self._templates[name])
+        except jinja2.TemplateSyntaxError as error:  # an unknown filter or test too
+            raise ValueError(
+                f"{where} does not compile, line {error.lineno}: {error.message}; fix the template there, "
+                "or pass the prompt as plain text"
+            ) from None
+        try:
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **variables,
+            )
+        except jinja2.TemplateError as error:  # an undefined name, a call the sandbox refuses
+            raise ValueError(
+                f"{where} failed on these messages ({first_line(error)}): it may "
+                "need a variable attn does not pass (give it as a keyword), or fix the template there"
+            ) from None
 
     # -- reading the files ----------------------------------------------------------------
 
@@ -210,7 +231,10 @@ class TokenizerFile:
         path = self.directory / name
         if not path.is_file():
             return {}
-        content = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error}): fix it, or copy it again") from None
         if not isinstance(content, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(content).__name__}")
         return content
@@ -243,24 +267,25 @@ class TokenizerFile:
         special = self._tokenizer.encode("a", add_special_tokens=True).ids
         return special[:1] == [self.bos_token_id] and plain[:1] != [self.bos_token_id]
 
-    def _read_chat_templates(self, config: Mapping[str, Any]) -> dict[str, str]:
-        """Every chat template by name; a single template is named ``"default"``."""
+    def _read_chat_templates(self, config: Mapping[str, Any]) -> tuple[dict[str, str], Path]:
+        """Every chat template by name (a single template is named ``"default"``), and the file
+        they come from."""
         jinja_file, json_file = (self.directory / name for name in CHAT_TEMPLATE_FILES)
         if jinja_file.is_file():
-            return {"default": jinja_file.read_text(encoding="utf-8")}
+            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
         if json_file.is_file():
             source, value = json_file, self._read_json(json_file.name).get("chat_template")
         else:
             source, value = self.directory / TOKENIZER_CONFIG_FILE, config.get("chat_template")
         if value is None:
-            return {}
+            return {}, source
         if isinstance(value, str):
-            return {"default": value}
+            return {"default": value}, source
         if isinstance(value, list) and all(
             isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)
             for entry in value
         ):
-            return {entry["name"]: entry["template"] for entry in value}
+            return {entry["name"]: entry["template"] for entry in value}, source
         raise ValueError(
             f"chat_template in {source} must be a string or a list of {{'name': ..., 'template': ...}}, "
             f"got {type(value).__name__}"

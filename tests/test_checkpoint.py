@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -355,6 +356,7 @@ def _drop(key: str) -> Callable[[dict[str, Any]], None]:
 BAD_CONFIGS = [
     # another architecture
     ("gpt2", _set(model_type="gpt2"), UnsupportedArchitectureError, r"model_type 'gpt2' is not supported: attn loads"),
+    ("list model type", _set(model_type=["llama"]), InvalidConfigError, r"'model_type' must be a string .*\['llama'\]"),
     (
         "classifier head",
         _set(architectures=["LlamaForSequenceClassification"]),
@@ -581,6 +583,13 @@ def test_index_names_a_path(saved: tuple[attn.TransformerDecoder, Path]) -> None
         load_pretrained(directory)
 
 
+@pytest.mark.parametrize("name", [None, 3, ["model.safetensors"]])
+def test_index_names_a_shard_that_is_not_a_string(saved: tuple[attn.TransformerDecoder, Path], name: object) -> None:
+    directory = _shard(saved, lambda names: {**{n: "model-00001-of-00001.safetensors" for n in names}, names[0]: name})
+    with pytest.raises(InvalidConfigError, match=rf"names shard {re.escape(repr(name))}: a shard must be a file name"):
+        load_pretrained(directory)
+
+
 def test_index_disagrees_with_shards(saved: tuple[attn.TransformerDecoder, Path]) -> None:
     def weight_map(names: list[str]) -> dict[str, str]:
         return {
@@ -590,4 +599,26 @@ def test_index_disagrees_with_shards(saved: tuple[attn.TransformerDecoder, Path]
 
     directory = _shard(saved, weight_map)
     with pytest.raises(MissingTensorError, match=r"says tensor 'model.extra' is in model-00001-of-00001.safetensors"):
+        load_pretrained(directory)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("vocab_size", 10**9), ("intermediate_size", 10**9), ("hidden_size", 2**20)]
+)
+def test_a_size_that_disagrees_with_the_headers_fails_before_any_allocation(
+    saved: tuple[attn.TransformerDecoder, Path], key: str, value: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config size far off the weights (1e9 tokens: terabytes of embedding) is caught by the
+    safetensors headers before the model's parameters are allocated."""
+    _, directory = saved
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config[key] = value
+    config_path.write_text(json.dumps(config))
+
+    def never(*args: object) -> None:
+        raise AssertionError("parameters were allocated before the headers were checked")
+
+    monkeypatch.setattr(attn.checkpoint, "_materialize", never)
+    with pytest.raises(TensorShapeError, match=r"config\.json does not match the weights"):
         load_pretrained(directory)

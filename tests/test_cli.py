@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -354,9 +355,75 @@ def test_generate_errors_name_the_file_and_the_fix(
     assert "ask for at most 61 new tokens" in err
 
 
+def _set_template(template: str) -> Callable[[Path], None]:
+    def change(directory: Path) -> None:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+    return change
+
+
+def _truncate(name: str) -> Callable[[Path], None]:
+    def change(directory: Path) -> None:
+        data = (directory / name).read_bytes()
+        (directory / name).write_bytes(data[: len(data) // 2])
+
+    return change
+
+
+BROKEN = [
+    ("template syntax", _set_template("{% for m in messages %}"), True, "tokenizer_config.json", "does not compile"),
+    ("unknown filter", _set_template("{{ messages | nosuch }}"), True, "tokenizer_config.json", "does not compile"),
+    ("undefined name", _set_template("{{ nosuch.attr }}"), True, "tokenizer_config.json", "failed on these messages"),
+    ("corrupt tokenizer", _truncate("tokenizer.json"), False, "tokenizer.json", "not a tokenizer file"),
+    ("truncated weights", _truncate("model.safetensors"), False, "model.safetensors", "may be truncated"),
+    ("malformed config", _truncate("config.json"), False, "config.json", "is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "chat", "file", "message"), BROKEN, ids=[case[0] for case in BROKEN])
+def test_a_broken_checkpoint_is_one_line_naming_the_file_and_debug_shows_the_traceback(
+    tmp_path: Path,
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture,
+    case: str,
+    change: Callable[[Path], None],
+    chat: bool,
+    file: str,
+    message: str,
+) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    change(broken)
+    argv = ["generate", str(broken), "Hi", *(["--chat"] if chat else []), "--max-new-tokens", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(broken / file) in err and message in err, err
+    with pytest.raises(ValueError, match=message):  # the traceback, on request
+        cli.main([*argv, "--debug"])
+
+
+def test_an_unforeseen_failure_is_one_line_too(
+    checkpoint: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("something deep\nwith a second line")
+
+    monkeypatch.setattr(attn, "generate", fail)
+    assert cli.main(["generate", str(checkpoint), "Hi"]) == 1
+    assert capsys.readouterr().err == ("attn generate: RuntimeError: something deep (--debug shows the traceback)\n")
+    with pytest.raises(RuntimeError, match="something deep"):
+        cli.main(["generate", str(checkpoint), "Hi", "--debug"])
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (["--device", "bogus"], "--device: 'bogus' is not a torch device; use cpu, cuda or cuda:1"),
+        (["--device", "meta"], "--device: meta holds shapes, not weights, so it cannot generate"),
         (["--top-k", "5"], "--top-k only applies with --temperature > 0"),
         (["--temperature", "-1"], "--temperature: expected a number >= 0 (0 is greedy), got -1.0"),
         (["--dtype", "int8"], "--dtype: dtype 'int8' is not supported; use one of float32 (fp32)"),

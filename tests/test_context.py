@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import attn
 
-from .conftest import tiny_model
+from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
 
 def modes(model: attn.TransformerDecoder) -> set:
@@ -116,3 +116,22 @@ def test_local_kv_cache_refuses_to_drop_existing_caches() -> None:
     ):
         pass
     assert model.kv_caches() == old
+
+
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3))
+def test_uncached_passes_leave_a_filled_cache_untouched_and_match_a_recompute(lengths: list[int]) -> None:
+    """The lm-eval adapter's full passes run inside ``uncached_passes`` after a generation:
+    inference mode, but the caches are neither read nor written."""
+    model = tiny_model(5)
+    attn_cache_rows = 2
+    model.setup_caches(attn_cache_rows, 32)
+    attn.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=4)  # leaves the caches filled
+    before = cache_state(model)
+    for s in lengths:
+        tokens = torch.randint(0, 61, (attn_cache_rows, s))
+        with attn.context.uncached_passes(model):
+            logits = model(tokens)
+        with torch.no_grad(), attn.disable_kv_cache(model):
+            expected = model(tokens)  # no cache involved: a full causal pass
+        assert torch.equal(logits, expected)
+    assert_cache_unchanged(model, before)

@@ -138,6 +138,26 @@ def test_cache_dtype_defaults_to_model_dtype_and_can_be_chosen() -> None:
     assert model.kv_caches()[0].k_cache.dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("model_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_a_cache_in_another_dtype_than_the_model_decodes_like_a_full_pass(
+    model_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """Keys and values are stored in the cache's dtype; the queries follow them, and the
+    layer's output comes back in the model's dtype."""
+    model = tiny_model(8).to(model_dtype)
+    tokens = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        expected = model(tokens).float()
+    model.setup_caches(2, 16, dtype=cache_dtype)
+    with attn.cached_inference(model):
+        pieces = [model(tokens[:, :5])] + [model(tokens[:, i : i + 1]) for i in range(5, 9)]
+    logits = torch.cat(pieces, 1)
+    assert logits.dtype == model_dtype and model.kv_caches()[0].k_cache.dtype == cache_dtype
+    torch.testing.assert_close(logits.float(), expected, rtol=0.05, atol=0.05)  # one bf16 rounding apart
+
+
 def test_caches_set_up_in_inference_mode_are_normal_tensors() -> None:
     model = tiny_model()
     with torch.inference_mode():
@@ -471,3 +491,39 @@ def test_setup_caches_refuses_a_dtype_that_cannot_hold_keys(dtype: object) -> No
     with pytest.raises(ValueError, match=r"setup_caches dtype .* cannot hold keys and values; pass a floating dtype"):
         model.setup_caches(1, 8, dtype=dtype)  # type: ignore[arg-type]
     assert model.kv_caches() == old
+
+
+@given(
+    failing_layer=st.integers(0, 3),
+    prompt_len=st.integers(1, 5),
+    num_tokens=st.integers(1, 4),
+    interrupt=st.booleans(),
+    parity=st.booleans(),
+)
+def test_a_pass_that_fails_in_a_later_layer_leaves_every_layer_as_it_was(
+    failing_layer: int, prompt_len: int, num_tokens: int, interrupt: bool, parity: bool
+) -> None:
+    """Layers before the failing one have written their keys; they are rolled back, so the
+    layers never disagree, and the next pass continues as if the failed one never ran."""
+    model = tiny_model(9, num_layers=4)
+    attn.set_parity_mode(model, parity)
+    model.setup_caches(2, 16)
+    prompt, step = torch.randint(0, 61, (2, prompt_len)), torch.randint(0, 61, (2, num_tokens))
+    with attn.cached_inference(model):
+        model(prompt)
+    before = cache_state(model)
+    error = KeyboardInterrupt if interrupt else RuntimeError
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise error("out of memory, say")
+
+    hook = model.layers[failing_layer].mlp.register_forward_pre_hook(fail)
+    with pytest.raises(error), attn.cached_inference(model):
+        model(step)
+    hook.remove()
+    assert_cache_unchanged(model, before)
+    with attn.cached_inference(model):
+        continued = model(step)
+    with torch.no_grad():
+        expected = model(torch.cat((prompt, step), 1))[:, prompt_len:]
+    torch.testing.assert_close(continued, expected, rtol=1e-5, atol=1e-5)

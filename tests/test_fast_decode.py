@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,3 +362,56 @@ def test_more_models_than_dynamos_recompile_limit_each_compile_their_step() -> N
         assert torch.equal(got.tokens, attn.generate(model, PROMPTS, max_new_tokens=3).tokens)
         assert fast.stats.graphs == 1
     assert DecodeCompiled.graphs_in_process >= 9
+
+
+def test_the_step_is_handed_the_filled_slots_rounded_up_not_every_slot() -> None:
+    """Without a mask, the compiled step gets the eager model's default span (the filled slots
+    rounded up to SLOT_STEP); its compiled function is replaced by the eager model here, so
+    slots poisoned past that span would show as NaN, with no inductor compile."""
+    model = tiny_model(21, max_seq_len=256)
+    expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=6).generated
+    fast = compile_for_decode(model)
+    spans = []
+
+    def eager_step(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        spans.append(kwargs["mask"].shape[-1])
+        return model(tokens, **kwargs)
+
+    object.__setattr__(fast, "_step", eager_step)
+    model.setup_caches(2, 256)
+    poison_on_reset(model, SLOT_STEP)
+    model.reset_caches()
+    tokens = []
+    with attn.cached_inference(model):
+        logits = fast(torch.tensor(PROMPTS[:1] * 2))
+        for _ in range(6):
+            tokens.append(logits[:, -1:].argmax(-1))  # (2, 1)
+            logits = fast(tokens[-1])
+    assert spans == [SLOT_STEP] * 6
+    assert torch.equal(torch.cat(tokens, 1), expected)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 61])
+def test_an_out_of_vocab_step_gets_the_eager_error_before_the_compiled_step(bad_id: int) -> None:
+    model = tiny_model(22)
+    model.setup_caches(2, 16)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2], [3, 4]]))
+    before = cache_state(model)
+    fast = compile_for_decode(model)
+
+    def never(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the compiled step ran with an out-of-vocab id")
+
+    object.__setattr__(fast, "_step", never)
+    with attn.cached_inference(model), pytest.raises(ValueError, match=r"token ids must be in \[0, 61\)"):
+        fast(torch.tensor([[5], [bad_id]]))
+    assert_cache_unchanged(model, before)
+
+
+def test_save_pretrained_takes_the_compiled_wrapper(tmp_path: Path) -> None:
+    model = tiny_model(23)
+    attn.checkpoint.save_pretrained(compile_for_decode(model), tmp_path)
+    loaded = attn.load_pretrained(tmp_path)
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(ours, theirs), name

@@ -109,7 +109,7 @@ def test_bad_sizes(field: str, value: object) -> None:
 def test_buffers_are_never_in_state_dict() -> None:
     cache = KVCache(1, 2, 8, 4)
     assert cache.state_dict() == {}
-    assert {name for name, _ in cache.named_buffers()} == {"k_cache", "v_cache", "cache_pos", "last_write"}
+    assert {name for name, _ in cache.named_buffers()} == {"k_cache", "v_cache", "cache_pos"}
 
 
 def test_created_in_inference_mode_is_normal_and_resettable_anywhere() -> None:
@@ -149,7 +149,7 @@ def _filled(batch: int, chunks: list[int], capacity: int) -> tuple[KVCache, torc
 
 
 def _state(cache: KVCache) -> tuple[torch.Tensor, ...]:
-    return (cache.k_cache.clone(), cache.v_cache.clone(), cache.cache_pos.clone(), cache.last_write.clone())
+    return (cache.k_cache.clone(), cache.v_cache.clone(), cache.cache_pos.clone())
 
 
 @given(
@@ -169,7 +169,6 @@ def test_rewind_then_continue_equals_never_going_past(
     fresh = KVCache(2, 2, capacity, 4)
     if to:
         fresh.update(k[:, :, :to], v[:, :, :to])
-    fresh.last_write.zero_()
     for a, b in zip(_state(cache), _state(fresh), strict=True):
         assert torch.equal(a, b)
     extra = _kv(2, 2, more, 4, seed=99)
@@ -232,3 +231,19 @@ def test_select_under_inference_mode_keeps_normal_buffers() -> None:
         cache.select([1, 1, 0])
     assert not cache.k_cache.is_inference() and not cache.v_cache.is_inference()
     cache.reset()  # outside inference mode: possible only on normal tensors
+
+
+@given(filled=st.integers(0, 7), extra=st.integers(1, 4))
+def test_an_unchecked_overflowing_write_changes_no_slot(filled: int, extra: int) -> None:
+    """Compiled code cannot run the capacity check, so the write itself must be all or
+    nothing: the slots that would fit are not written before the out-of-range one fails."""
+    capacity = 8
+    cache = KVCache(1, 2, capacity, 4)
+    if filled:
+        cache.update(*_kv(1, 2, filled, 4))
+    before = _state(cache)
+    k, v = _kv(1, 2, capacity - filled + extra, 4, seed=5)  # one slot too many at least
+    with pytest.raises((IndexError, RuntimeError)):
+        cache.update(k, v, checked=True)  # checked: the capacity read is skipped, as when compiled
+    for a, b in zip(_state(cache), before, strict=True):
+        assert torch.equal(a, b)

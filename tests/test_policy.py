@@ -10,20 +10,32 @@ import contextlib
 import inspect
 import itertools
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 import attn
 from attn.compat import CachePolicy
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
+
+@contextlib.contextmanager
+def _grad_inside_inference_mode() -> Iterator[None]:
+    with torch.inference_mode(), torch.enable_grad():
+        yield
+
+
 PASSES = {
     "inference_mode": torch.inference_mode,
     "no_grad": torch.no_grad,
     "grad": contextlib.nullcontext,
+    "enable_grad inside inference_mode": _grad_inside_inference_mode,
 }
+GRAD_KINDS = {"grad", "enable_grad inside inference_mode"}
 FLAGS = {
     "no flag": lambda model: contextlib.nullcontext(),
     "flag on": lambda model: attn.kv_cache_mode(model, True),
@@ -33,9 +45,9 @@ FLAGS = {
 
 def expected_outcome(policy: CachePolicy, kind: str, flag: str) -> str:
     """The contract, restated independently of the implementation: 'cache', 'none' or 'error'."""
-    if flag == "flag on" and kind == "grad":
+    if flag == "flag on" and kind in GRAD_KINDS:
         return "error"
-    if flag == "disabled" or kind == "grad":
+    if flag == "disabled" or kind in GRAD_KINDS:
         return "none"
     if flag == "flag on":
         return "cache"
@@ -51,16 +63,20 @@ def test_policy_table(policy: CachePolicy, kind: str, flag: str) -> None:
     before = cache_state(model)
     tokens = torch.randint(0, 61, (2, 4))
     outcome = expected_outcome(policy, kind, flag)
-    # Under FLAG, inference mode alone does not cache: the pass says so, once per process.
-    ignored = policy is CachePolicy.FLAG and kind == "inference_mode" and flag == "no flag"
-    warns = pytest.warns(attn.CompatWarning, match="did not use or change the cache")
+    # Inference mode alone: under FLAG it does not cache, and says so; under INFERENCE it is
+    # appended to the prefill above, which the flag ended: the scoring trap. Each warns.
+    warns = contextlib.nullcontext()
+    if kind == "inference_mode" and flag == "no flag":
+        attn.compat._reset_warnings()
+        says = "did not use or change the cache" if policy is CachePolicy.FLAG else "already holds 3 tokens"
+        warns = pytest.warns(attn.CompatWarning, match=says)
     with FLAGS[flag](model), PASSES[kind]():
         assert model.caches_are_enabled() is (outcome == "cache")
         if outcome == "error":
             with pytest.raises(RuntimeError, match="grad-enabled forward pass ran with the KV-cache flag on"):
                 model(tokens)
         else:
-            with warns if ignored else contextlib.nullcontext():
+            with warns:
                 model(tokens)
     if outcome == "cache":
         assert all(c.size == 7 for c in model.kv_caches())
@@ -177,3 +193,70 @@ def test_generate_gives_no_warning(restore_policy: None) -> None:
         attn.generate(model, [[1, 2, 3, 4, 5], [4, 5]], max_new_tokens=6)  # again, on the filled cache
         with torch.no_grad():
             model(torch.randint(0, 61, (2, 4)))
+
+
+# The scoring trap's rule, restated as a state machine: a pass of several tokens under plain
+# inference mode continues the cache's sequence silently only while that sequence is "open",
+# i.e. the latest thing that changed the cache was such a pass (a prefill in chunks).
+TRAP_OPS = st.one_of(
+    st.tuples(st.sampled_from(["plain", "flag", "no_grad"]), st.integers(1, 3)),
+    st.tuples(st.sampled_from(["generate"]), st.integers(1, 2)),
+    st.tuples(st.sampled_from(["rewind", "reset", "select"]), st.just(0)),
+)
+
+
+@example(ops=[("generate", 1), ("plain", 2)])  # max_new_tokens=1 leaves the prompt alone
+@example(ops=[("flag", 3), ("plain", 4)])  # a prefill alone, under the flag
+@example(ops=[("plain", 3), ("rewind", 0), ("plain", 2)])
+@example(ops=[("plain", 3), ("plain", 1), ("plain", 2)])  # the 2-token boundary after a step
+@example(ops=[("plain", 3), ("plain", 2), ("no_grad", 3), ("plain", 3)])  # chunks; scoring between
+@example(ops=[("plain", 3), ("reset", 0), ("flag", 3), ("plain", 2)])  # reset clears the state
+@given(ops=st.lists(TRAP_OPS, min_size=1, max_size=8))
+def test_the_scoring_trap_warns_exactly_when_a_finished_sequence_is_continued(
+    ops: list[tuple[str, int]], restore_policy: None
+) -> None:
+    attn.compat.set_cache_policy(None)
+    model = tiny_model(12)
+    model.setup_caches(2, 64)
+    sequence_open = False
+    for op, n in ops:
+        filled = model.kv_caches()[0].size
+        tokens = torch.randint(0, 61, (2, n)) if n else None
+        attn.compat._reset_warnings()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if op == "plain":
+                with torch.inference_mode():
+                    model(tokens)
+            elif op == "flag":
+                with attn.cached_inference(model):
+                    model(tokens)
+            elif op == "no_grad":
+                with torch.no_grad():
+                    model(tokens)
+            elif op == "generate":
+                attn.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=n)
+            elif op == "rewind":
+                model.rewind_caches(filled // 2)
+            elif op == "reset":
+                model.reset_caches()
+            else:
+                model.select_caches([1, 0])
+        expected = op == "plain" and n > 1 and filled > 0 and not sequence_open
+        trap = [w for w in _compat_warnings(caught) if "earlier sequence" in str(w.message)]
+        assert len(trap) == expected, (op, n, filled, sequence_open)
+        if op != "no_grad":
+            sequence_open = op == "plain" and n > 1
+
+
+def test_a_stop_on_the_first_token_ends_the_sequence(restore_policy: None) -> None:
+    attn.compat.set_cache_policy(None)
+    attn.compat._reset_warnings()
+    model = tiny_model(13)
+    model.setup_caches(1, 32)
+    first = attn.generate(model, [[1, 2, 3]], max_new_tokens=1).tokens[0, -1].item()
+    out = attn.generate(model, [[1, 2, 3]], max_new_tokens=8, stop_tokens=[first])
+    assert out.padding_mask[0, 3:].tolist() == [True] + [False] * 7  # it stopped on the first token
+    trap = pytest.warns(attn.CompatWarning, match="already holds 3 tokens of an earlier sequence")
+    with trap, torch.inference_mode():
+        model(torch.randint(0, 61, (1, 4)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -75,7 +76,10 @@ def test_compiled_model_compiles_a_prefill_and_one_continuation_graph() -> None:
         ([], [[1]], {}, r"context must hold at least one token id"),
         ([1], [], {}, r"continuations must be a non-empty list .* empty: the list"),
         ([1], [[2], []], {}, r"empty: \[1\]"),
-        ([1], [[2, 61]], {}, r"token ids must be ints in \[0, 61\), got \[61\]"),
+        ([1], [[2, 61]], {}, r"token ids must be in \[0, 61\), got \[61\]"),
+        ([1], [[2], [3.0]], {}, r"continuation 1 holds torch.float32 values, not integer ids"),
+        ([True], [[2]], {}, r"context holds torch.bool values, not integer ids"),
+        ([1], [torch.tensor([[2, 3]])], {}, r"continuation 0 must be one sequence of ids \(1-d\), got shape \(1, 2\)"),
         ([1], [[2]], dict(max_rows=0), r"max_rows must be a positive int or None, got 0"),
         ([1] * 60, [[2] * 6], {}, r"need 65 positions, more than the model's max_seq_len \(64\)"),
     ],
@@ -85,6 +89,14 @@ def test_bad_input(context: list[int], continuations: list[list[int]], kwargs: d
     with pytest.raises(ValueError, match=message):
         score_continuations(model, context, continuations, **kwargs)
     assert not model.caches_are_setup()
+
+
+def test_tensor_and_numpy_ids_score_as_lists_do() -> None:
+    model = tiny_model(7)
+    expected = score_continuations(model, [11, 12, 13], [[1, 2], [4]])
+    as_tensors = score_continuations(model, torch.tensor([11, 12, 13]), [torch.tensor([1, 2]), torch.tensor([4])])
+    as_arrays = score_continuations(model, np.array([11, 12, 13]), [np.array([1, 2]), np.array([4], dtype=np.int32)])
+    assert as_tensors == expected and as_arrays == expected
 
 
 def test_the_models_own_caches_are_never_replaced() -> None:

@@ -262,8 +262,9 @@ def test_the_template_refuses_with_raise_exception(rich: Path) -> None:
 )
 def test_templates_run_sandboxed(tmp_path: Path, template: str) -> None:
     write_tokenizer_files(tmp_path, chat_template=template)
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match=r"failed on these messages \(SecurityError: ") as caught:
         TokenizerFile(tmp_path).apply_chat_template(CONVERSATIONS[0])
+    assert caught.value.__cause__ is None and str(tmp_path / "tokenizer_config.json") in str(caught.value)
 
 
 # ---------------------------------------------------------------------------- errors

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from attn.checks import is_int
 from attn.swap import swapped_attribute
 
 __all__ = ["TARGETS", "LoRALinear", "adapters_enabled", "add_lora", "lora_parameters"]
@@ -39,11 +40,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Linear, *, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
         super().__init__()
-        if (
-            not isinstance(rank, int)
-            or isinstance(rank, bool)
-            or not 0 < rank <= min(base.in_features, base.out_features)
-        ):
+        if not is_int(rank) or not 0 < rank <= min(base.in_features, base.out_features):
             raise ValueError(
                 f"LoRA rank must be an int in [1, {min(base.in_features, base.out_features)}] for a "
                 f"{base.in_features} -> {base.out_features} linear layer, got {rank!r}"

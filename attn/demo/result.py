@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from attn.checks import check_positive_int
 from attn.demo.grpo import GRPOResult
 from attn.demo.patterns import EvalResult, PPOResult, TrainResult
 from attn.demo.speed import SpeedResult
@@ -42,9 +43,7 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "speed_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"DemoOptions.{name} must be a positive int, got {value!r}")
+            check_positive_int(getattr(self, name), f"DemoOptions.{name}")
         if self.policy not in (None, "inference", "flag"):
             raise ValueError(f"DemoOptions.policy must be None, 'inference' or 'flag', got {self.policy!r}")
 

@@ -16,17 +16,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from attn.decoder import TransformerDecoder
+from attn.decoder import TransformerDecoder, decoder_of
 
 __all__ = ["JsonResult", "PassRecord", "base_model", "fill_positions", "watch"]
 
 
 def base_model(model: nn.Module) -> TransformerDecoder:
     """The ``TransformerDecoder`` behind ``model`` (unwraps a ``torch.compile`` wrapper)."""
-    base = getattr(model, "_orig_mod", model)
-    if not isinstance(base, TransformerDecoder):
-        raise TypeError(f"expected an attn.TransformerDecoder or a torch.compile of one, got {type(base).__name__}")
-    return base
+    return decoder_of(model, "attn.demo.watch")
 
 
 def fill_positions(model: nn.Module) -> list[int]:
