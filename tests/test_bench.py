@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attn
 from attn import bench, compat
@@ -56,6 +58,7 @@ class WrongAnswer(AttnEager):
 
 TARGETS = {
     "share_of_limit": {"fp32": 50.0},  # 5000%: never met
+    "share_of_roofline": {"fp32": 0.0001},  # 0.01%: always met
     "faster_than": ["attn-eager", "hf-static"],
     "peak_rss_at_most": {"hf-static": 1.1},
 }
@@ -99,6 +102,11 @@ def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(
             met = "met" if compiled / speeds[name] > 1 else "NOT MET"
             assert f"{compiled / speeds[name]:.2f}x {name} (target > 1.00x): {met}" in verdicts
     assert "peak RSS against hf-static: not measured" in verdicts  # --no-memory
+    (cell,) = data["cells"]
+    roof = next(r["fraction_of_roofline"] for r in data["rows"] if r["contender"] == "attn-compiled")
+    assert f"{roof:.0%} of the roofline ({cell['bound']}-bound) (target >= 0%): met" in verdicts
+    assert f"roofline {cell['roofline_tokens_per_s']:.0f} tok/s, {cell['bound']}-bound" in report
+    assert "%roof" in report and f"{roof:.0%} of the roofline" in summary
 
 
 @pytest.mark.parametrize(
@@ -133,6 +141,8 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert len(samples) == 2 + 2  # before the warm-up, each of the 2 rounds, after the last
     assert cell["read_bandwidth_gb_s"] == pytest.approx((sorted(samples)[1] + sorted(samples)[2]) / 2)  # median
     assert cell["weight_bytes_per_step"] > 0 and cell["kv_bytes_per_step"] > 0
+    assert cell["flops_per_step"] > 0 and len(cell["compute_gflops_samples"]) == 2  # before and after the runs
+    assert cell["roofline_tokens_per_s"] == min(cell["limit_tokens_per_s"], cell["compute_limit_tokens_per_s"])
     assert cell["probe_mb"] == 256  # a tiny model's step reads less than the smallest probe
     rows = {row["contender"]: row for row in result_json["rows"]}
     assert set(rows) == set(DEFAULT_CONTENDERS)  # every default contender ran, or said why not
@@ -148,6 +158,7 @@ def test_json_has_every_field(result_json: dict) -> None:
         stats = row["decode_tokens_per_s"]
         assert stats["min"] <= stats["median"] <= stats["max"] and len(stats["values"]) >= 1
         assert row["ttft_s"]["median"] > 0 and row["fraction_of_limit"] > 0
+        assert row["fraction_of_roofline"] == pytest.approx(stats["median"] / cell["roofline_tokens_per_s"])
         assert len(row["positions"]) == len(row["latency_ms"]) == 4  # 5 new tokens: 4 decode steps
     compiled = rows["attn-compiled"]
     assert compiled["graphs"] == 1 and compiled["recompiles_during_timed_runs"] == 0
@@ -158,6 +169,48 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert len(rows["attn-nocache"]["decode_tokens_per_s"]["values"]) == 1  # capped at one run
     if transformers_available():
         assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
+
+
+SMOLLM2 = attn.DecoderConfig(
+    vocab_size=49152,
+    embed_dim=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    hidden_dim=1536,
+    max_seq_len=2048,
+    tie_embeddings=True,
+)
+
+
+def test_flops_of_a_step_counted_by_hand() -> None:
+    matrices = 576 * 576 * 2 + 2 * 192 * 576 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
+    attention = 2 * 9 * 64 * 192 * 2  # 9 heads of 64: scores over 192 keys, then the weighted sum
+    per_row = 30 * (2 * matrices + attention) + 2 * 49152 * 576  # a multiply-add is 2 FLOPs; the head
+    assert run_module.flops_per_step(SMOLLM2, 16, 192) == 16 * per_row  # 4.3 GFLOP for 16 rows
+
+
+@given(
+    bandwidth=st.floats(1.0, 100.0),
+    gflops=st.floats(1.0, 2000.0),
+    batch=st.integers(1, 64),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_the_roofline_is_the_lower_limit(bandwidth: float, gflops: float, batch: int, dtype: torch.dtype) -> None:
+    cell = Cell("smollm2", SMOLLM2, dtype, batch, 2, 128, 64)
+    info = run_module.cell_info(cell, [(bandwidth, bandwidth * 1.1)] * 3, [(gflops, gflops * 1.1)] * 2)
+    weights, kv = run_module.bytes_per_step(SMOLLM2, dtype, batch, 128 + 32)
+    memory = batch / ((weights + kv) / (bandwidth * 1e9))  # rows per step over the time to read a step's bytes
+    compute = batch / (run_module.flops_per_step(SMOLLM2, batch, 128 + 32) / (gflops * 1e9))
+    assert info.limit_tokens_per_s == pytest.approx(memory)
+    assert info.compute_limit_tokens_per_s == pytest.approx(compute)
+    assert info.roofline_tokens_per_s == pytest.approx(min(memory, compute))
+    assert info.bound == ("memory" if memory <= compute else "compute")
+
+
+def test_matmul_peak_is_a_positive_rate_with_its_best_sample() -> None:
+    median, best = bench.measure.matmul_peak(torch.float32, 1, size=128, repeats=3)
+    assert 0 < median <= best
 
 
 def test_probe_reads_at_least_what_a_step_reads() -> None:

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Stats", "alternate", "memory_info", "peak_rss_mb", "read_bandwidth", "reset_peak_rss", "rss_mb", "timed"]
+__all__ = [
+    "Stats",
+    "alternate",
+    "matmul_peak",
+    "memory_info",
+    "peak_rss_mb",
+    "read_bandwidth",
+    "reset_peak_rss",
+    "rss_mb",
+    "timed",
+]
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,29 @@ def read_bandwidth(threads: int, *, megabytes: int = 256, repeats: int = 9) -> t
             times.append(time.perf_counter() - start)
         size = buffer.numel() * 4
         return size / statistics.median(times) / 1e9, size / min(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, *, size: int = 1024, repeats: int = 9) -> tuple[float, float]:
+    """Compute throughput in GFLOP/s, ``(median, best)`` over timed ``size``-square matrix
+    products in ``dtype`` on ``threads`` intra-op threads (restored after): the compute-bound
+    side of the roofline, as ``read_bandwidth`` is the memory-bound side. A square product of
+    1024 is compute-bound on every CPU here (it reads 2 x 1024^2 elements per 2 x 1024^3 FLOPs)
+    and the BLAS behind ``torch.mm`` (oneDNN, MKL) runs it near its peak for that dtype."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        out = torch.mm(a, b)  # the first call picks and warms the kernel
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            times.append(time.perf_counter() - start)
+        flops = 2 * size**3
+        return flops / statistics.median(times) / 1e9, flops / min(times) / 1e9
     finally:
         torch.set_num_threads(before)
 

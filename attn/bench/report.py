@@ -34,7 +34,7 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         f"load average before {_load(m.get('load_average_before'))}, after {_load(m.get('load_average_after'))}"
     )
     header = (
-        f"  {'contender':<24} {'decode tok/s med [min-max]':>28} {'xHF-st':>6} {'%limit':>6} "
+        f"  {'contender':<24} {'decode tok/s med [min-max]':>28} {'xHF-st':>6} {'%mem':>5} {'%roof':>5} "
         f"{'TTFT ms':>8} {'peak MB':>8} {'compile s':>9} {'graphs/re':>9}  check"
     )
     for info in result.cells:
@@ -49,6 +49,13 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
             f"({info.weight_bytes_per_step / 1e6:.0f} MB weights + {info.kv_bytes_per_step / 1e6:.1f} MB cache "
             f"read per step); weights {info.weights_mb:.0f} MiB, cache {info.cache_mb:.1f} MiB"
         )
+        peaks = info.compute_gflops_samples
+        lines.append(
+            f"  compute: {info.compute_gflops:.0f} GFLOP/s ({info.dtype} 1024^3 products, {info.threads} "
+            f"thread(s); samples {min(peaks):.0f}-{max(peaks):.0f}); compute-bound limit "
+            f"{info.compute_limit_tokens_per_s:.0f} tok/s ({info.flops_per_step / 1e9:.2f} GFLOP per step); "
+            f"roofline {info.roofline_tokens_per_s:.0f} tok/s, {info.bound}-bound"
+        )
         lines.append(header)
         for row in result.rows_of(info.label).values():
             if row.skipped:
@@ -57,10 +64,11 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
             graphs = "-" if row.graphs is None else f"{row.graphs}/{row.recompiles_during_timed_runs}"
             ttft = None if row.ttft_s is None else row.ttft_s.median * 1e3
             fraction = None if row.fraction_of_limit is None else row.fraction_of_limit * 100
+            roof = None if row.fraction_of_roofline is None else row.fraction_of_roofline * 100
             check = ("ok: " if row.check_ok else "FAILED: ") + row.check
             lines.append(
                 f"  {row.contender:<24} {_fmt_stats(row):>28} {_num(row.vs_hf_static, '.2f'):>6} "
-                f"{_num(fraction, '.0f'):>6} {_num(ttft, '.0f'):>8} {_num(row.peak_rss_mb, '.0f'):>8} "
+                f"{_num(fraction, '.0f'):>5} {_num(roof, '.0f'):>5} {_num(ttft, '.0f'):>8} {_num(row.peak_rss_mb, '.0f'):>8} "
                 f"{_num(row.compile_s, '.1f'):>9} {graphs:>9}  {check}"
             )
         lines.extend(
@@ -86,7 +94,9 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         lines.append(f"correctness: all {checked} checked contender runs agree with the reference")
     lines.append(
         "columns: decode tok/s over all rows of the batch, after the first token; xHF-st = vs hf-static; "
-        "%limit = share of the memory-bound limit (bytes that must be read per step / read bandwidth); "
+        "%mem = share of the memory-bound limit (bytes that must be read per step / read bandwidth); "
+        "%roof = share of the roofline (the lower of that and the compute-bound limit: FLOPs per step / "
+        "measured matrix-product speed); "
         "TTFT = time to first token; peak MB = " + result.machine.get("memory_measurement", "")
     )
     lines.append(
@@ -138,6 +148,8 @@ def compiled_summary(result: BenchResult) -> list[str]:
             parts.append(
                 f"{compiled.fraction_of_limit:.0%} of the memory-bound limit ({quiet:.0%} at the fastest sample)"
             )
+        if compiled.fraction_of_roofline is not None:
+            parts.append(f"{compiled.fraction_of_roofline:.0%} of the roofline ({info.bound}-bound)")
         if compiled.graphs is not None:
             recompiled = compiled.recompiles_during_timed_runs
             flag = "" if compiled.graphs == 1 and recompiled == 0 else " RECOMPILED"

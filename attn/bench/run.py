@@ -31,6 +31,7 @@ from attn.bench.contenders import Cell, CellContext, Contender, Generated, make_
 from attn.bench.measure import (
     Stats,
     load_average,
+    matmul_peak,
     memory_info,
     peak_rss_mb,
     process_peak_rss_mb,
@@ -101,6 +102,17 @@ class CellInfo:
     weight_bytes_per_step: int
     kv_bytes_per_step: int
     limit_tokens_per_s: float
+    """The memory-bound limit: the bytes a step must read at the median read bandwidth."""
+    flops_per_step: int
+    compute_gflops: float
+    """Median of the matrix-product probes (``matmul_peak``) in the cell's dtype and threads."""
+    compute_gflops_samples: list[float]
+    compute_limit_tokens_per_s: float
+    """The compute-bound limit: the FLOPs of a step at ``compute_gflops``."""
+    roofline_tokens_per_s: float
+    """The lower of the two limits: no contender can decode faster on this machine."""
+    bound: str
+    """Which limit binds: ``"memory"`` or ``"compute"``."""
     weights_mb: float
     cache_mb: float
 
@@ -116,6 +128,7 @@ class Row:
     decode_tokens_per_s: Stats | None = None
     ttft_s: Stats | None = None
     fraction_of_limit: float | None = None
+    fraction_of_roofline: float | None = None
     vs_hf_static: float | None = None
     first_generation_s: float | None = None
     compile_s: float | None = None
@@ -174,6 +187,18 @@ def bytes_per_step(config: DecoderConfig, dtype: torch.dtype, batch_size: int, c
     return int(weights * size), int(kv * size)
 
 
+def flops_per_step(config: DecoderConfig, batch_size: int, context: float) -> int:
+    """FLOPs a decode step must do at least (a multiply-add is two): every row's products with
+    every layer's matrices and the output head, and its attention (scores and the weighted
+    sum) over ``context`` tokens. Norms, RoPE, softmax and the activation are left out: a few
+    FLOPs per element, against one multiply-add per weight."""
+    e, d = config.embed_dim, config.head_dim
+    matrices = e * config.num_heads * d * 2 + e * config.num_kv_heads * d * 2 + 3 * e * config.hidden_dim
+    attention = 2 * 2 * config.num_heads * d * context  # q.k per key, then p.v per key
+    per_row = config.num_layers * (2 * matrices + attention) + 2 * config.vocab_size * e
+    return int(batch_size * per_row)
+
+
 def _param_mb(config: DecoderConfig, dtype: torch.dtype) -> float:
     e = config.embed_dim
     head = 0 if config.tie_embeddings else config.vocab_size * e
@@ -196,10 +221,16 @@ def probe_megabytes(cell: Cell) -> int:
     return max(256, -(-sum(_step_bytes(cell)) // 2**20))
 
 
-def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
+def cell_info(cell: Cell, bandwidths: list[tuple[float, float]], peaks: list[tuple[float, float]]) -> CellInfo:
+    """The cell's roofline from the probes taken around its runs: ``bandwidths`` (GB/s) and
+    ``peaks`` (GFLOP/s), each ``(median, best)`` per sample."""
     bandwidth = statistics.median(median for median, _ in bandwidths)
+    compute = statistics.median(median for median, _ in peaks)
     weights, kv = _step_bytes(cell)
     _, cache_bytes = bytes_per_step(cell.config, cell.dtype, cell.batch_size, cell.prompt_len + cell.new_tokens)
+    flops = flops_per_step(cell.config, cell.batch_size, cell.prompt_len + cell.new_tokens / 2)
+    memory_limit = cell.batch_size * bandwidth * 1e9 / (weights + kv)
+    compute_limit = cell.batch_size * compute * 1e9 / flops
     return CellInfo(
         label=cell.label,
         **cell_to_dict(cell),
@@ -209,7 +240,13 @@ def cell_info(cell: Cell, bandwidths: list[tuple[float, float]]) -> CellInfo:
         probe_mb=probe_megabytes(cell),
         weight_bytes_per_step=weights,
         kv_bytes_per_step=kv,
-        limit_tokens_per_s=cell.batch_size * bandwidth * 1e9 / (weights + kv),
+        limit_tokens_per_s=memory_limit,
+        flops_per_step=flops,
+        compute_gflops=compute,
+        compute_gflops_samples=[median for median, _ in peaks],
+        compute_limit_tokens_per_s=compute_limit,
+        roofline_tokens_per_s=min(memory_limit, compute_limit),
+        bound="memory" if memory_limit <= compute_limit else "compute",
         weights_mb=_param_mb(cell.config, cell.dtype),
         cache_mb=cache_bytes / 2**20,
     )
@@ -343,9 +380,10 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
     """Measures every contender in one cell; returns the cell's limit and one row each."""
     torch._dynamo.reset()  # fresh compile caches: no recompile limit carried over from other cells
     torch.set_num_threads(cell.threads)
-    _log(f"== {cell.label}: measuring read bandwidth")
+    _log(f"== {cell.label}: measuring read bandwidth and matrix-product speed")
     probe_mb = probe_megabytes(cell)
     bandwidths = [read_bandwidth(cell.threads, megabytes=probe_mb)]  # (median, best) GB/s per sample
+    peaks = [matmul_peak(cell.dtype, cell.threads)]  # (median, best) GFLOP/s per sample
     ctx = CellContext(
         cell,
         seed=spec.seed,
@@ -404,9 +442,10 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
                 checked[contender.name] = run
             runs[contender.name].append(run)
 
-    _log(f"== {cell.label}: measuring read bandwidth again")
+    _log(f"== {cell.label}: measuring read bandwidth and matrix-product speed again")
     bandwidths.append(read_bandwidth(cell.threads, megabytes=probe_mb))
-    info = cell_info(cell, bandwidths)
+    peaks.append(matmul_peak(cell.dtype, cell.threads))
+    info = cell_info(cell, bandwidths, peaks)
     hf_static = None
     for contender in active:
         row = rows[contender.name]
@@ -416,6 +455,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
         row.decode_tokens_per_s = Stats.of([run.decode_tokens_per_s(cell.batch_size) for run in timed])
         row.ttft_s = Stats.of([run.ttft for run in timed])
         row.fraction_of_limit = row.decode_tokens_per_s.median / info.limit_tokens_per_s
+        row.fraction_of_roofline = row.decode_tokens_per_s.median / info.roofline_tokens_per_s
         row.positions, row.latency_ms = _median_latencies(timed, cell.prompt_len)
         graphs = contender.graphs()
         if graphs is not None:

@@ -5,6 +5,7 @@ File format (every key optional)::
 
     {
       "share_of_limit": {"fp32": 0.90, "bf16": 0.75},   # least share of the memory-bound limit, by dtype
+      "share_of_roofline": {"fp32": 0.70},              # least share of the roofline (memory or compute), by dtype
       "faster_than": ["hf-static", "llama.cpp"],        # contenders it must out-decode, in every cell they ran
       "peak_rss_at_most": {"hf-static": 1.10}           # largest peak RSS ratio to these contenders
     }
@@ -30,6 +31,7 @@ class Targets:
     """What ``attn-compiled`` must reach in each cell (see the module docstring)."""
 
     share_of_limit: dict[str, float] = field(default_factory=dict)
+    share_of_roofline: dict[str, float] = field(default_factory=dict)
     faster_than: tuple[str, ...] = ()
     peak_rss_at_most: dict[str, float] = field(default_factory=dict)
 
@@ -42,12 +44,13 @@ class Targets:
             raise ValueError(f"--targets {path}: cannot read a JSON object: {error}") from None
         if not isinstance(data, dict):
             raise ValueError(f"--targets {path}: expected a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"share_of_limit", "faster_than", "peak_rss_at_most"})
+        unknown = sorted(set(data) - {"share_of_limit", "share_of_roofline", "faster_than", "peak_rss_at_most"})
         if unknown:
             raise ValueError(f"--targets {path}: unknown keys {unknown}; see python -m attn bench --help")
         share, rss = data.get("share_of_limit", {}), data.get("peak_rss_at_most", {})
+        roof = data.get("share_of_roofline", {})
         faster = data.get("faster_than", [])
-        for key, table in (("share_of_limit", share), ("peak_rss_at_most", rss)):
+        for key, table in (("share_of_limit", share), ("share_of_roofline", roof), ("peak_rss_at_most", rss)):
             if not isinstance(table, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in table.values()):
                 raise ValueError(f"--targets {path}: {key} must map names to positive numbers, got {table!r}")
         if not isinstance(faster, list) or not all(isinstance(name, str) for name in faster):
@@ -58,7 +61,12 @@ class Targets:
                 f"--targets {path}: {unknown} not contenders attn-compiled is compared with; "
                 f"use names from {sorted(set(CONTENDERS) - {SUBJECT})}"
             )
-        return cls({k: float(v) for k, v in share.items()}, tuple(faster), {k: float(v) for k, v in rss.items()})
+        return cls(
+            share_of_limit={k: float(v) for k, v in share.items()},
+            share_of_roofline={k: float(v) for k, v in roof.items()},
+            faster_than=tuple(faster),
+            peak_rss_at_most={k: float(v) for k, v in rss.items()},
+        )
 
 
 def check_targets(result: BenchResult, targets: Targets) -> list[str]:
@@ -82,6 +90,15 @@ def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Ta
                 f"{subject.fraction_of_limit:.0%} of the memory-bound limit",
                 f">= {wanted:.0%}",
                 subject.fraction_of_limit >= wanted,
+            )
+        )
+    wanted = targets.share_of_roofline.get(info.dtype)
+    if wanted is not None and subject.fraction_of_roofline is not None:
+        out.append(
+            _verdict(
+                f"{subject.fraction_of_roofline:.0%} of the roofline ({info.bound}-bound)",
+                f">= {wanted:.0%}",
+                subject.fraction_of_roofline >= wanted,
             )
         )
     speed = subject.decode_tokens_per_s.median if subject.decode_tokens_per_s else None
