@@ -68,7 +68,8 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
             check = ("ok: " if row.check_ok else "FAILED: ") + row.check
             lines.append(
                 f"  {row.contender:<24} {_fmt_stats(row):>28} {_num(row.vs_hf_static, '.2f'):>6} "
-                f"{_num(fraction, '.0f'):>5} {_num(roof, '.0f'):>5} {_num(ttft, '.0f'):>8} {_num(row.peak_rss_mb, '.0f'):>8} "
+                f"{_num(fraction, '.0f'):>5} {_num(roof, '.0f'):>5} {_num(ttft, '.0f'):>8} "
+                f"{_num(row.peak_rss_mb, '.0f'):>8} "
                 f"{_num(row.compile_s, '.1f'):>9} {graphs:>9}  {check}"
             )
         lines.extend(
