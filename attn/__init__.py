@@ -8,7 +8,6 @@ training with gradients leave it untouched, with no work from the user
 from attn import compat
 from attn.attention import MultiHeadAttention
 from attn.checkpoint import load_pretrained
-from attn.compat import CachePolicy, CompatWarning, cache_policy
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import GenerationOutput, generate
@@ -16,6 +15,7 @@ from attn.kv_cache import KVCache, attended_slots
 from attn.logprobs import CompletionLogprobs, completion_logprobs
 from attn.masks import padded_causal_mask, padding_positions
 from attn.parity import set_parity_mode
+from attn.policy import CachePolicy, CompatWarning, cache_policy
 from attn.scoring import ContinuationScore, score_continuations
 
 __version__ = "0.1.0"

@@ -243,9 +243,11 @@ def _run_info(args: argparse.Namespace) -> int:
 
     from attn import __version__, compat
     from attn.parity import modes_report
+    from attn.policy import policy_report
 
     print(f"attn:                {__version__}")
     print(compat.compat_report(probe=args.probe))
+    print(policy_report())
     print(modes_report())
     print(f"python:              {platform.python_version()} ({platform.python_implementation()})")
     print(f"platform:            {platform.platform()}")

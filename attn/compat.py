@@ -1,93 +1,48 @@
 """The compat layer: which torch release is installed, and what it can do with the cache decision.
 
-This is the only module that knows about torch versions. It answers, per release, how the
-inference-mode half of the cache decision (``attn.policy.uses_cache``) runs under
-``torch.compile``: whether it could live inside a graph with a guard that tells the kinds of
-pass apart, and what it costs where it cannot (graph breaks per forward). No release today
-can; the table ``RELEASES`` says why for each, and sits next to the probe that proves it
-(``probe_is_inference_trace``), which the version matrix in ``compat/`` runs on every release
-the table names.
-
-Policies (``CachePolicy``), resolved once per process: ``set_cache_policy()``, then the
-``ATTN_CACHE_POLICY`` environment variable, then ``INFERENCE``, the default on every release.
+This is the only module that knows about torch versions, and all it knows is them. It
+answers, per release, how the inference-mode half of the cache decision
+(``attn.policy.uses_cache``) runs under ``torch.compile``: whether it could live inside a
+graph with a guard that tells the kinds of pass apart, and what it costs where it cannot
+(graph breaks per forward). No release today can; the table ``RELEASES`` says why for each,
+and sits next to the probe that proves it (``probe_is_inference_trace``), which the version
+matrix in ``compat/`` runs on every release the table names.
 
 The same table says whether a model sharded with torch.distributed (FSDP2, tensor
 parallelism) may run under inference mode (``fsdp_inference_mode``,
-``tensor_parallel_inference_mode``); where it may not, ``attn.generate`` runs it under
-``torch.no_grad()`` with the explicit flag (``generation_fallback``), and
-``probe_distributed_inference_mode`` proves the claim on the installed release.
+``tensor_parallel_inference_mode``); ``attn.distributed.probe_distributed_inference_mode``
+proves the claim on the installed release, and ``attn.policy.generation_fallback`` acts on it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
-import os
 import re
-import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch import nn
-
-from attn.errors import first_line
 
 __all__ = [
-    "DEFAULT_POLICY",
-    "ENV_VAR",
     "FIX",
     "FSDP_INFERENCE_MODE_REASON",
     "RELEASES",
     "TENSOR_PARALLEL_INFERENCE_MODE_REASON",
-    "CachePolicy",
-    "CompatWarning",
-    "DistributedProbeResult",
-    "FsdpApi",
-    "PolicyDecision",
     "ProbeResult",
     "ReleaseSupport",
     "TorchVersion",
-    "cache_policy",
     "compat_report",
     "compile_region",
     "compile_regions",
     "compile_regions_supported",
-    "fsdp_api",
-    "fsdp_runs_on",
-    "generation_fallback",
-    "gloo_reduce_scatter_averages",
+    "eager_only",
     "parse_torch_version",
-    "probe_distributed_inference_mode",
     "probe_is_inference_trace",
     "release_support",
-    "set_cache_policy",
     "torch_version",
 ]
-
-ENV_VAR = "ATTN_CACHE_POLICY"
-
-
-class CompatWarning(UserWarning):
-    """Warns about how the installed torch release affects KV-cache behaviour.
-
-    Filter it like any warning category::
-
-        warnings.filterwarnings("ignore", category=attn.CompatWarning)
-    """
-
-
-class CachePolicy(str, enum.Enum):
-    """How a forward pass decides whether to use the KV-cache."""
-
-    INFERENCE = "inference"
-    """The default: use the cache when the flag is on or the pass runs under inference mode."""
-    FLAG = "flag"
-    """Use the cache only when the explicit flag (``cached_inference``, ``kv_cache_mode``) is on."""
 
 
 class TorchVersion(NamedTuple):
@@ -251,7 +206,6 @@ RELEASES: tuple[ReleaseSupport, ...] = (
     ReleaseSupport((2, 8, 0), None,      False, False, BREAKS_FROM_2_8_REASON,     False, True),
 )
 # fmt: on
-DEFAULT_POLICY = CachePolicy.INFERENCE
 
 
 def eager_only(reason: str) -> Any:
@@ -311,37 +265,6 @@ def compile_regions() -> Iterator[None]:
         _regions_on = before
 
 
-def _recompile_limit_name() -> str:
-    """``cache_size_limit`` before torch 2.7, ``recompile_limit`` from 2.7 (the old name an alias)."""
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
-def recompile_limit() -> int:
-    """Dynamo's recompile limit now: graphs per code object."""
-    return getattr(torch._dynamo.config, _recompile_limit_name())
-
-
-def decode_step_options(recompile_limit: int) -> dict[str, Any]:
-    """Dynamo options for ``attn.compile_for_decode``'s step, for ``torch._dynamo.config.patch``.
-
-    - A module buffer's dim may be traced as a symbol where it is marked dynamic
-      (``torch._dynamo.maybe_mark_dynamic``: the KV-cache length). Dynamo keeps every
-      parameter and buffer size static unless told otherwise: ``force_parameter_static_shapes``,
-      and ``force_nn_module_property_static_shapes`` (torch 2.5.1 needs this one too: there a
-      buffer counts as a module property); both exist in every release the matrix covers.
-      Unmarked sizes stay static either way (``tests/test_fast_decode.py`` on every leg).
-    - The recompile limit, per code object, becomes ``recompile_limit``. It counts every
-      graph compiled for one function in the process, whoever compiled it: each model's step
-      is another graph of ``TransformerDecoder.forward``, so the ninth model would fail to
-      compile (``fullgraph``).
-    """
-    return {
-        "force_parameter_static_shapes": False,
-        "force_nn_module_property_static_shapes": False,
-        _recompile_limit_name(): recompile_limit,
-    }
-
-
 def release_support(version: TorchVersion | str | None = None) -> ReleaseSupport:
     """The row of ``RELEASES`` that covers ``version`` (default: the installed torch)."""
     if version is None:
@@ -352,141 +275,6 @@ def release_support(version: TorchVersion | str | None = None) -> ReleaseSupport
         if row.contains(version):
             return row
     raise AssertionError(f"RELEASES does not cover torch {version}")  # the table is total
-
-
-class PolicyDecision(NamedTuple):
-    """The cache policy in force, where it came from, and why."""
-
-    policy: CachePolicy
-    source: str
-    """``"default"``, ``"environment"`` or ``"override"``."""
-    reason: str
-    torch_version: TorchVersion
-
-
-def _to_policy(value: CachePolicy | str, origin: str) -> CachePolicy:
-    if isinstance(value, CachePolicy):
-        return value
-    try:
-        return CachePolicy(str(value).strip().lower())
-    except ValueError:
-        choices = ", ".join(repr(p.value) for p in CachePolicy)
-        raise ValueError(f"{origin} is {value!r}, which is not a cache policy; use one of {choices}") from None
-
-
-def _resolve(override: CachePolicy | None) -> PolicyDecision:
-    version = torch_version()
-    if override is not None:
-        return PolicyDecision(override, "override", "set by attn.compat.set_cache_policy()", version)
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        policy = _to_policy(env, f"environment variable {ENV_VAR}")
-        return PolicyDecision(policy, "environment", f"set by {ENV_VAR}={env}", version)
-    return PolicyDecision(
-        DEFAULT_POLICY,
-        "default",
-        "the default on every release: the flag or inference mode decides, in eager code",
-        version,
-    )
-
-
-_decision: PolicyDecision = _resolve(None)
-_warned: set[str] = set()
-
-
-def cache_policy() -> PolicyDecision:
-    """The cache policy in force for this process, where it came from and why.
-
-    Example::
-
-        >>> attn.compat.cache_policy().policy
-        <CachePolicy.FLAG: 'flag'>
-    """
-    return _decision
-
-
-def active_policy() -> CachePolicy:
-    """The policy in force; read on every forward pass (a module global, compile-friendly)."""
-    return _decision.policy
-
-
-def set_cache_policy(policy: CachePolicy | str | None) -> PolicyDecision:
-    """Overrides the cache policy for this process; ``None`` returns to env var or default.
-
-    Changing the policy makes compiled models recompile on their next call (dynamo guards on
-    it).
-
-    Returns:
-        The decision now in force.
-    """
-    global _decision
-    override = None if policy is None else _to_policy(policy, "set_cache_policy(policy)")
-    _decision = _resolve(override)
-    return _decision
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside attn and torch."""
-    frame = sys._getframe(2)  # the caller of warnings.warn's caller
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-def _warn_once(key: str, message: str) -> None:
-    """Warns once per process, at the user's line (not at a line inside attn or torch)."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, CompatWarning, stacklevel=_user_stacklevel())
-
-
-def _reset_warnings() -> None:
-    """Forgets which once-per-process warnings were given (for tests)."""
-    _warned.clear()
-
-
-def warn_inference_mode_ignored() -> None:
-    """A FLAG-policy pass ran in inference mode without the flag (called in eager code)."""
-    _warn_once(
-        "inference-mode-ignored",
-        f"a forward pass ran under torch.inference_mode() with KV-caches set up, but the "
-        f"cache policy is FLAG ({_decision.reason}), so it did not use or change the cache. "
-        "To generate with the cache, use attn.cached_inference(model) (or drop the FLAG "
-        "policy: by default inference mode uses the cache); to score without it, wrap the "
-        "pass in attn.disable_kv_cache(model).",
-    )
-
-
-def warn_compiled_inference_decision() -> None:
-    """A compiled forward met the inference-mode test, which runs in eager code."""
-    row = release_support(_decision.torch_version)
-    _warn_once(
-        "compiled-inference-decision",
-        f"torch {_decision.torch_version} cannot decide by inference mode inside a compiled "
-        f"graph ({row.reason}), so a compiled forward with KV-caches set up and no flag makes "
-        f"that decision in eager code: {row.graph_breaks_per_forward} graph break per forward, "
-        f"same results as eager. With fullgraph=True it fails instead; {FIX}.",
-    )
-
-
-def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
-    """An inference-mode pass of several tokens continues a cache that holds a finished
-    sequence (``attn.policy.inference_mode_decides`` says when)."""
-    _warn_once(
-        "inference-mode-onto-filled-cache",
-        f"a forward pass of {num_tokens} tokens per row ran under torch.inference_mode() onto "
-        f"a KV-cache that already holds {filled} tokens of an earlier sequence (a generation, a "
-        "decode step, a pass under the flag or a rewind ended it), so it was appended to that "
-        "sequence. To score without the cache, run it under torch.no_grad() or inside "
-        "attn.disable_kv_cache(model); to start a new sequence, call model.reset_caches() "
-        "first; to continue on purpose, use attn.cached_inference(model), which never warns.",
-    )
 
 
 class ProbeResult(NamedTuple):
@@ -569,174 +357,13 @@ def probe_is_inference_trace(backend: str = "eager") -> ProbeResult:
     return ProbeResult(True, True, backend, None)
 
 
-# -- sharded models (torch.distributed) ---------------------------------------------------
-
-
-class FsdpApi(NamedTuple):
-    """FSDP2's names, wherever the installed release keeps them."""
-
-    fully_shard: Any
-    FSDPModule: type
-    MixedPrecisionPolicy: type
-
-
-def fsdp_api() -> FsdpApi:
-    """FSDP2's ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``: in
-    ``torch.distributed.fsdp`` from torch 2.6, in ``torch.distributed._composable.fsdp``
-    before (detected by import, not looked up).
-
-    Imported when first asked for, by the code that shards a model.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    return FsdpApi(fully_shard, FSDPModule, MixedPrecisionPolicy)
-
-
-def gloo_reduce_scatter_averages(group: Any) -> bool:
-    """Does ``reduce_scatter_tensor(op=ReduceOp.AVG)`` average on this gloo process group?
-
-    Detected with one tiny reduce-scatter (a collective: every rank of ``group`` calls it).
-    Measured on CPU with 2 ranks: gloo sums instead, silently, on torch 2.5.1 to 2.8.0, and
-    averages on 2.13.0 and 2.15.0; FSDP2 reduces fp32 and bf16 gradients with AVG, so there
-    it sums the ranks' gradients where it should average them.
-    """
-    size = dist.get_world_size(group)
-    out = torch.zeros(1)
-    dist.reduce_scatter_tensor(out, torch.ones(size), op=dist.ReduceOp.AVG, group=group)
-    return bool(out.item() == 1.0)
-
-
-def fsdp_runs_on(device_type: str) -> bool:
-    """Does FSDP2 run on this device type? Detected, not looked up: on CPU it needs
-    ``torch.cpu.Stream.record_event`` (torch 2.7 on). Before, it fails on CPU in its first
-    forward: "FSDP requires CUDA for streams" (2.5), "'Stream' object has no attribute
-    'record_event'" (2.6)."""
-    return device_type != "cpu" or hasattr(torch.cpu.Stream, "record_event")
-
-
-def _loaded_class(name: str, *modules: str) -> type | None:
-    """``name`` from the first of ``modules`` already imported, else None (imports nothing)."""
-    for module in modules:
-        found = getattr(sys.modules.get(module), name, None)
-        if found is not None:
-            return found
-    return None
-
-
-def generation_fallback(model: nn.Module) -> str | None:
-    """Why ``attn.generate`` runs ``model`` under ``torch.no_grad()`` with the explicit cache
-    flag rather than under inference mode on the installed release, or ``None``.
-
-    A model sharded with FSDP2 (``fully_shard``) or with tensor-parallel (DTensor) parameters,
-    where the release table says that cannot run under inference mode. The passes that use
-    the cache, and the tokens, are the same either way. Imports nothing: a model can hold FSDP2
-    modules or DTensors only once torch.distributed's modules for them are loaded.
-    """
-    row = release_support(_decision.torch_version)
-    fsdp_module = _loaded_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
-    sharded = fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
-    if sharded and not row.fsdp_inference_mode:
-        return f"a model sharded with FSDP2 cannot generate under inference mode ({FSDP_INFERENCE_MODE_REASON})"
-    dtensor = _loaded_class("DTensor", "torch.distributed.tensor")
-    split = dtensor is not None and any(isinstance(parameter, dtensor) for parameter in model.parameters())
-    if split and not row.tensor_parallel_inference_mode:
-        return (
-            "a model with tensor-parallel (DTensor) parameters cannot generate under inference mode "
-            f"({TENSOR_PARALLEL_INFERENCE_MODE_REASON})"
-        )
-    return None
-
-
-def warn_generation_fallback(reason: str) -> None:
-    """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
-    _warn_once(
-        f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
-        f"on torch {_decision.torch_version}, {reason}. attn.generate and attn.score_continuations "
-        "run it under torch.no_grad() "
-        "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
-        "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
-        "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "
-        "and attn.cached_inference passes.",
-    )
-
-
-class DistributedProbeResult(NamedTuple):
-    """Outcome of ``probe_distributed_inference_mode`` on the installed torch."""
-
-    fsdp_runs: bool
-    """Did FSDP2 run a forward and a grad step on the device (no inference mode)?"""
-    fsdp_inference_mode: bool
-    """Did a grad step after an inference-mode forward work too?"""
-    tensor_parallel_inference_mode: bool
-    """Did a column-wise parallel linear run under inference mode?"""
-    errors: tuple[str, ...]
-    """The first line of each error met, in order."""
-
-
-def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> DistributedProbeResult:
-    """Runs tiny sharded linears under inference mode, then a grad step, on ``device``.
-
-    A collective: every rank of the default process group must call it. FSDP2 (two linears,
-    ``fully_shard``-ed one by one and together, as a decoder's layers and root are): a grad
-    step alone, then an inference-mode forward followed by grad steps. Tensor parallelism (one
-    column-wise linear without bias, as the decoder's are): an inference-mode forward.
-
-    Raises:
-        RuntimeError: torch.distributed has no default process group.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "probe_distributed_inference_mode needs torch.distributed: call "
-            "torch.distributed.init_process_group() on every rank first, then the probe on every rank"
-        )
-    device = torch.device(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    fully_shard = fsdp_api().fully_shard
-    x = torch.ones(2, 3, 8, device=device)  # (b, s, e); the same on every rank
-    errors = []
-
-    def fsdp_grad_step(inference_first: bool) -> bool:
-        model = nn.Sequential(nn.Linear(8, 8, device=device), nn.Linear(8, 8, device=device))
-        for module in (*model, model):  # the root keeps its parameters unsharded after a forward
-            fully_shard(module, mesh=mesh)
-        try:
-            if inference_first:
-                with torch.inference_mode():
-                    model(x)
-            for _ in range(2):
-                model(x).sum().backward()
-        except Exception as error:
-            errors.append(first_line(error))
-            return False
-        return True
-
-    fsdp_runs = fsdp_grad_step(inference_first=False)
-    fsdp_inference_mode = fsdp_runs and fsdp_grad_step(inference_first=True)
-    linear = parallelize_module(nn.Linear(8, 8, bias=False, device=device), mesh, ColwiseParallel())
-    try:
-        with torch.inference_mode():
-            linear(x)
-        tensor_parallel_inference_mode = True
-    except Exception as error:
-        errors.append(first_line(error))
-        tensor_parallel_inference_mode = False
-    return DistributedProbeResult(fsdp_runs, fsdp_inference_mode, tensor_parallel_inference_mode, tuple(errors))
-
-
 def compat_report(probe: bool = False) -> str:
-    """A human-readable report: torch version, policy in force and why, the release table."""
-    decision = cache_policy()
-    row = release_support(decision.torch_version)
+    """A human-readable report: the torch version and its row of the release table (the policy
+    in force is ``attn.policy.policy_report``'s)."""
+    version = torch_version()
+    row = release_support(version)
     lines = [
-        f"torch:               {torch.__version__} (parsed {decision.torch_version.release})",
-        f"cache policy:        {decision.policy.value} ({decision.source}): {decision.reason}",
-        "usage:               torch.inference_mode() passes use the cache; torch.no_grad() and grad passes"
-        " leave it alone",
+        f"torch:               {torch.__version__} (parsed {version.release})",
         f"release range:       torch {row.label}",
         f"traces is_inference: {'yes' if row.traces_is_inference else 'no'} (release table)",
         f"decides in graph:    {'yes' if row.decides_in_graph else 'no'}: {row.reason}",
@@ -749,15 +376,7 @@ def compat_report(probe: bool = False) -> str:
     if probe:
         result = probe_is_inference_trace()
         measured = "yes" if result.decides_in_graph else f"no ({result.error})"
-        agrees = (
-            "agrees"
-            if (result.traced, result.decides_in_graph)
-            == (
-                row.traces_is_inference,
-                row.decides_in_graph,
-            )
-            else "DISAGREES with the table"
-        )
+        table = (row.traces_is_inference, row.decides_in_graph)
+        agrees = "agrees" if (result.traced, result.decides_in_graph) == table else "DISAGREES with the table"
         lines.append(f"probe (fullgraph):   {measured}; {agrees}")
-    lines.append(f"override:            {ENV_VAR}=inference|flag or attn.compat.set_cache_policy()")
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from attn import compat
 from attn.attention import MultiHeadAttention
+from attn.policy import generation_fallback, warn_generation_fallback
 from attn.swap import swapped_attribute
 from attn.threads import holding
 
@@ -94,13 +94,13 @@ def cached_inference(model: nn.Module) -> Iterator[nn.Module]:
 def cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]:
     """Where attn's own loops (``attn.generate``, ``attn.score_continuations``) run passes that
     use the cache: ``cached_inference(model)``, or, for a sharded model that cannot run under
-    inference mode on the installed release (``attn.compat.generation_fallback``),
+    inference mode on the installed release (``attn.policy.generation_fallback``),
     ``torch.no_grad()`` with the flag: the same passes use the cache, warned once at the
     caller's line."""
-    reason = compat.generation_fallback(model)
+    reason = generation_fallback(model)
     if reason is None:
         return cached_inference(model)
-    compat.warn_generation_fallback(reason)
+    warn_generation_fallback(reason)
     return _no_grad_with_flag(model)
 
 
@@ -116,9 +116,9 @@ def uncached_passes(model: nn.Module) -> Iterator[nn.Module]:
     adapter's full passes): ``torch.inference_mode()`` inside ``disable_kv_cache(model)``, or
     ``torch.no_grad()`` for a sharded model that cannot run under inference mode on the
     installed release (``cached_passes``' reason, warned once)."""
-    reason = compat.generation_fallback(model)
+    reason = generation_fallback(model)
     if reason is not None:
-        compat.warn_generation_fallback(reason)
+        warn_generation_fallback(reason)
     with torch.inference_mode() if reason is None else torch.no_grad(), disable_kv_cache(model):
         yield model
 

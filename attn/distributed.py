@@ -10,7 +10,7 @@ heads: q/k/v and gate/up column-wise, o and down row-wise; every rank runs the s
 holds h / n query heads and h_kv / n kv heads, and its cache those, (b, h_kv / n, L, d).
 The cache rule is the one of a single process (``attn.policy.uses_cache``); where a release
 cannot run a sharded model under inference mode, ``attn.generate`` runs it under
-``torch.no_grad()`` with the explicit flag (``attn.compat.generation_fallback``).
+``torch.no_grad()`` with the explicit flag (``attn.policy.generation_fallback``).
 
 Import it as ``attn.distributed`` (``import attn`` does not). It costs no import time of its
 own: the torch.distributed modules it needs are loaded by ``torch._dynamo``, which ``import
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,18 @@ from torch.distributed.tensor.placement_types import Placement
 
 from attn import compat
 from attn.decoder import TransformerDecoder
+from attn.errors import first_line
 
-__all__ = ["parallelize_tensor", "shard_fsdp"]
+__all__ = [
+    "DistributedProbeResult",
+    "FsdpApi",
+    "fsdp_api",
+    "fsdp_runs_on",
+    "gloo_reduce_scatter_averages",
+    "parallelize_tensor",
+    "probe_distributed_inference_mode",
+    "shard_fsdp",
+]
 
 
 def _default_mesh(model: TransformerDecoder) -> DeviceMesh:
@@ -56,7 +66,7 @@ def _check_unsharded(model: Any, caller: str) -> None:
         raise TypeError(f"{caller} takes an attn.TransformerDecoder, got {type(model).__name__}")
     if not dist.is_initialized():
         raise RuntimeError(f"{caller} needs torch.distributed: call torch.distributed.init_process_group() first")
-    if any(isinstance(module, compat.fsdp_api().FSDPModule) for module in model.modules()):
+    if any(isinstance(module, fsdp_api().FSDPModule) for module in model.modules()):
         raise RuntimeError(f"{caller}: the model is sharded with FSDP2 already")
     if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
         raise RuntimeError(f"{caller}: the model's parameters are split across ranks already (DTensor)")
@@ -76,7 +86,7 @@ def shard_fsdp(
     tensors that the grad step could not refill. ``attn.generate`` runs under
     ``torch.no_grad()`` with the flag there anyway, whoever sharded the model. On CPU, where
     gloo's reduce-scatter sums when asked to average (torch 2.8 and before,
-    ``attn.compat.gloo_reduce_scatter_averages``), gradients are reduced in float64, so the
+    ``gloo_reduce_scatter_averages``), gradients are reduced in float64, so the
     ranks' gradients are averaged as on other devices.
 
     Args:
@@ -96,13 +106,13 @@ def shard_fsdp(
     """
     _check_unsharded(model, "shard_fsdp")
     mesh = mesh or _default_mesh(model)
-    if not compat.fsdp_runs_on(mesh.device_type):
+    if not fsdp_runs_on(mesh.device_type):
         raise RuntimeError(
             f"FSDP2 does not run on {mesh.device_type} on torch {torch.__version__} (its first forward "
             "fails: it needs torch.cpu.Stream.record_event, torch 2.7 on); use torch >= 2.7, or CUDA devices"
         )
-    fsdp = compat.fsdp_api()
-    if mesh.device_type == "cpu" and not compat.gloo_reduce_scatter_averages(mesh.get_group(mesh.ndim - 1)):
+    fsdp = fsdp_api()
+    if mesh.device_type == "cpu" and not gloo_reduce_scatter_averages(mesh.get_group(mesh.ndim - 1)):
         # FSDP2 averages fp32/bf16 gradients with ReduceOp.AVG, which gloo sums there; any other
         # reduce dtype takes its sum-then-divide path.
         policy = fully_shard_kwargs.get("mp_policy") or fsdp.MixedPrecisionPolicy()
@@ -221,3 +231,116 @@ def parallelize_tensor(model: TransformerDecoder, mesh: DeviceMesh | None = None
         layer.attn.num_kv_heads = config.num_kv_heads // ranks
     _replicate_the_rest(model, mesh)
     return model
+
+
+# -- what the installed release offers (detected, not looked up) -----------------------------
+
+
+class FsdpApi(NamedTuple):
+    """FSDP2's names, wherever the installed release keeps them."""
+
+    fully_shard: Any
+    FSDPModule: type
+    MixedPrecisionPolicy: type
+
+
+def fsdp_api() -> FsdpApi:
+    """FSDP2's ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``: in
+    ``torch.distributed.fsdp`` from torch 2.6, in ``torch.distributed._composable.fsdp``
+    before (detected by import, not looked up).
+
+    Imported when first asked for, by the code that shards a model.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    return FsdpApi(fully_shard, FSDPModule, MixedPrecisionPolicy)
+
+
+def gloo_reduce_scatter_averages(group: Any) -> bool:
+    """Does ``reduce_scatter_tensor(op=ReduceOp.AVG)`` average on this gloo process group?
+
+    Detected with one tiny reduce-scatter (a collective: every rank of ``group`` calls it).
+    Measured on CPU with 2 ranks: gloo sums instead, silently, on torch 2.5.1 to 2.8.0, and
+    averages on 2.13.0 and 2.15.0; FSDP2 reduces fp32 and bf16 gradients with AVG, so there
+    it sums the ranks' gradients where it should average them.
+    """
+    size = dist.get_world_size(group)
+    out = torch.zeros(1)
+    dist.reduce_scatter_tensor(out, torch.ones(size), op=dist.ReduceOp.AVG, group=group)
+    return bool(out.item() == 1.0)
+
+
+def fsdp_runs_on(device_type: str) -> bool:
+    """Does FSDP2 run on this device type? Detected, not looked up: on CPU it needs
+    ``torch.cpu.Stream.record_event`` (torch 2.7 on). Before, it fails on CPU in its first
+    forward: "FSDP requires CUDA for streams" (2.5), "'Stream' object has no attribute
+    'record_event'" (2.6)."""
+    return device_type != "cpu" or hasattr(torch.cpu.Stream, "record_event")
+
+
+class DistributedProbeResult(NamedTuple):
+    """Outcome of ``probe_distributed_inference_mode`` on the installed torch."""
+
+    fsdp_runs: bool
+    """Did FSDP2 run a forward and a grad step on the device (no inference mode)?"""
+    fsdp_inference_mode: bool
+    """Did a grad step after an inference-mode forward work too?"""
+    tensor_parallel_inference_mode: bool
+    """Did a column-wise parallel linear run under inference mode?"""
+    errors: tuple[str, ...]
+    """The first line of each error met, in order."""
+
+
+def probe_distributed_inference_mode(device: torch.device | str = "cpu") -> DistributedProbeResult:
+    """Runs tiny sharded linears under inference mode, then a grad step, on ``device``.
+
+    A collective: every rank of the default process group must call it. FSDP2 (two linears,
+    ``fully_shard``-ed one by one and together, as a decoder's layers and root are): a grad
+    step alone, then an inference-mode forward followed by grad steps. Tensor parallelism (one
+    column-wise linear without bias, as the decoder's are): an inference-mode forward.
+
+    Raises:
+        RuntimeError: torch.distributed has no default process group.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "probe_distributed_inference_mode needs torch.distributed: call "
+            "torch.distributed.init_process_group() on every rank first, then the probe on every rank"
+        )
+    device = torch.device(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    fully_shard = fsdp_api().fully_shard
+    x = torch.ones(2, 3, 8, device=device)  # (b, s, e); the same on every rank
+    errors = []
+
+    def fsdp_grad_step(inference_first: bool) -> bool:
+        model = nn.Sequential(nn.Linear(8, 8, device=device), nn.Linear(8, 8, device=device))
+        for module in (*model, model):  # the root keeps its parameters unsharded after a forward
+            fully_shard(module, mesh=mesh)
+        try:
+            if inference_first:
+                with torch.inference_mode():
+                    model(x)
+            for _ in range(2):
+                model(x).sum().backward()
+        except Exception as error:
+            errors.append(first_line(error))
+            return False
+        return True
+
+    fsdp_runs = fsdp_grad_step(inference_first=False)
+    fsdp_inference_mode = fsdp_runs and fsdp_grad_step(inference_first=True)
+    linear = parallelize_module(nn.Linear(8, 8, bias=False, device=device), mesh, ColwiseParallel())
+    try:
+        with torch.inference_mode():
+            linear(x)
+        tensor_parallel_inference_mode = True
+    except Exception as error:
+        errors.append(first_line(error))
+        tensor_parallel_inference_mode = False
+    return DistributedProbeResult(fsdp_runs, fsdp_inference_mode, tensor_parallel_inference_mode, tuple(errors))

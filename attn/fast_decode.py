@@ -385,12 +385,43 @@ def _start_inductor_setup() -> threading.Thread:
 _GRAPHS_PER_STEP = 8
 
 
+def _recompile_limit_name() -> str:
+    """``cache_size_limit`` before torch 2.7, ``recompile_limit`` from 2.7 (the old name an alias)."""
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def recompile_limit() -> int:
+    """Dynamo's recompile limit now: graphs per code object."""
+    return getattr(torch._dynamo.config, _recompile_limit_name())
+
+
+def decode_step_options(recompile_limit: int) -> dict[str, Any]:
+    """Dynamo options for ``attn.compile_for_decode``'s step, for ``torch._dynamo.config.patch``.
+
+    - A module buffer's dim may be traced as a symbol where it is marked dynamic
+      (``torch._dynamo.maybe_mark_dynamic``: the KV-cache length). Dynamo keeps every
+      parameter and buffer size static unless told otherwise: ``force_parameter_static_shapes``,
+      and ``force_nn_module_property_static_shapes`` (torch 2.5.1 needs this one too: there a
+      buffer counts as a module property); both exist in every release the matrix covers.
+      Unmarked sizes stay static either way (``tests/test_fast_decode.py`` on every leg).
+    - The recompile limit, per code object, becomes ``recompile_limit``. It counts every
+      graph compiled for one function in the process, whoever compiled it: each model's step
+      is another graph of ``TransformerDecoder.forward``, so the ninth model would fail to
+      compile (``fullgraph``).
+    """
+    return {
+        "force_parameter_static_shapes": False,
+        "force_nn_module_property_static_shapes": False,
+        _recompile_limit_name(): recompile_limit,
+    }
+
+
 @functools.lru_cache(maxsize=8)
 def _step_options(recompile_limit: int) -> contextlib.AbstractContextManager[None]:
-    """Dynamo's options for the step (``compat.decode_step_options``), as one patch made once
+    """Dynamo's options for the step (``decode_step_options``), as one patch made once
     per limit: entered every step, where a fresh patch would cost about twice as much (20
     against 44 us; a 30-layer step is 50 ms and more)."""
-    return torch._dynamo.config.patch(**compat.decode_step_options(recompile_limit))
+    return torch._dynamo.config.patch(**decode_step_options(recompile_limit))
 
 
 class DecodeCompiled(nn.Module):
@@ -503,7 +534,7 @@ class DecodeCompiled(nn.Module):
         if use_cache:
             self._follow_cache_length(kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
-        limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, compat.recompile_limit())
+        limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
         with compat.compile_regions(), _step_options(limit):
             return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
 

@@ -244,7 +244,7 @@ def modes_report() -> str:
             f"  parity mode:       every forward computes a token's logits bit for bit alike (linears in "
             f"{ROWS}-row products,",
             "                     attention and silu in float64): generate's log-probs == the training",
-            "                     forward's, eager;"
-            "                     a torch.compile'd model runs it eagerly, compile_for_decode refuses it",
+            "                     forward's, eager; a torch.compile'd model runs it eagerly,",
+            "                     compile_for_decode refuses it",
         ]
     )

@@ -1,5 +1,11 @@
 """Will this forward pass touch the KV-cache? ``uses_cache`` is the one function that answers.
 
+The policy in force (``CachePolicy``) is resolved once per process: ``set_cache_policy()``,
+then the ``ATTN_CACHE_POLICY`` environment variable, then ``INFERENCE``, the default on every
+release. The warnings about passes that may not do what their author meant (``CompatWarning``,
+once per process, at the user's line) live here too, with ``generation_fallback``: how
+``attn.generate`` runs a sharded model where the release cannot run it under inference mode.
+
 A pass uses the cache iff all of these hold:
 
 1. caches are set up;
@@ -24,13 +30,266 @@ with ``fullgraph=True``, exports and suits CUDA graphs.
 
 from __future__ import annotations
 
+import enum
+import os
+import sys
+import warnings
+from typing import NamedTuple
+
 import torch
+from torch import nn
 
 from attn import compat
-from attn.compat import CachePolicy
+from attn.compat import (
+    FIX,
+    FSDP_INFERENCE_MODE_REASON,
+    TENSOR_PARALLEL_INFERENCE_MODE_REASON,
+    TorchVersion,
+    release_support,
+    torch_version,
+)
 from attn.kv_cache import KVCache
 
-__all__ = ["explicit_decision", "inference_mode_decides", "uses_cache"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "ENV_VAR",
+    "CachePolicy",
+    "CompatWarning",
+    "PolicyDecision",
+    "cache_policy",
+    "explicit_decision",
+    "generation_fallback",
+    "inference_mode_decides",
+    "policy_report",
+    "set_cache_policy",
+    "uses_cache",
+]
+
+# -- the policy in force, once per process ------------------------------------------------
+
+ENV_VAR = "ATTN_CACHE_POLICY"
+
+
+class CompatWarning(UserWarning):
+    """Warns about how the installed torch release affects KV-cache behaviour.
+
+    Filter it like any warning category::
+
+        warnings.filterwarnings("ignore", category=attn.CompatWarning)
+    """
+
+
+class CachePolicy(str, enum.Enum):
+    """How a forward pass decides whether to use the KV-cache."""
+
+    INFERENCE = "inference"
+    """The default: use the cache when the flag is on or the pass runs under inference mode."""
+    FLAG = "flag"
+    """Use the cache only when the explicit flag (``cached_inference``, ``kv_cache_mode``) is on."""
+
+
+DEFAULT_POLICY = CachePolicy.INFERENCE
+
+
+class PolicyDecision(NamedTuple):
+    """The cache policy in force, where it came from, and why."""
+
+    policy: CachePolicy
+    source: str
+    """``"default"``, ``"environment"`` or ``"override"``."""
+    reason: str
+    torch_version: TorchVersion
+
+
+def _to_policy(value: CachePolicy | str, origin: str) -> CachePolicy:
+    if isinstance(value, CachePolicy):
+        return value
+    try:
+        return CachePolicy(str(value).strip().lower())
+    except ValueError:
+        choices = ", ".join(repr(p.value) for p in CachePolicy)
+        raise ValueError(f"{origin} is {value!r}, which is not a cache policy; use one of {choices}") from None
+
+
+def _resolve(override: CachePolicy | None) -> PolicyDecision:
+    version = torch_version()
+    if override is not None:
+        return PolicyDecision(override, "override", "set by attn.policy.set_cache_policy()", version)
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        policy = _to_policy(env, f"environment variable {ENV_VAR}")
+        return PolicyDecision(policy, "environment", f"set by {ENV_VAR}={env}", version)
+    return PolicyDecision(
+        DEFAULT_POLICY,
+        "default",
+        "the default on every release: the flag or inference mode decides, in eager code",
+        version,
+    )
+
+
+_decision: PolicyDecision = _resolve(None)
+
+
+_warned: set[str] = set()
+
+
+def cache_policy() -> PolicyDecision:
+    """The cache policy in force for this process, where it came from and why.
+
+    Example::
+
+        >>> attn.policy.cache_policy().policy
+        <CachePolicy.FLAG: 'flag'>
+    """
+    return _decision
+
+
+def active_policy() -> CachePolicy:
+    """The policy in force; read on every forward pass (a module global, compile-friendly)."""
+    return _decision.policy
+
+
+def set_cache_policy(policy: CachePolicy | str | None) -> PolicyDecision:
+    """Overrides the cache policy for this process; ``None`` returns to env var or default.
+
+    Changing the policy makes compiled models recompile on their next call (dynamo guards on
+    it).
+
+    Returns:
+        The decision now in force.
+    """
+    global _decision
+    override = None if policy is None else _to_policy(policy, "set_cache_policy(policy)")
+    _decision = _resolve(override)
+    return _decision
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside attn and torch."""
+    frame = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _warn_once(key: str, message: str) -> None:
+    """Warns once per process, at the user's line (not at a line inside attn or torch)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, CompatWarning, stacklevel=_user_stacklevel())
+
+
+def _reset_warnings() -> None:
+    """Forgets which once-per-process warnings were given (for tests)."""
+    _warned.clear()
+
+
+def warn_inference_mode_ignored() -> None:
+    """A FLAG-policy pass ran in inference mode without the flag (called in eager code)."""
+    _warn_once(
+        "inference-mode-ignored",
+        f"a forward pass ran under torch.inference_mode() with KV-caches set up, but the "
+        f"cache policy is FLAG ({_decision.reason}), so it did not use or change the cache. "
+        "To generate with the cache, use attn.cached_inference(model) (or drop the FLAG "
+        "policy: by default inference mode uses the cache); to score without it, wrap the "
+        "pass in attn.disable_kv_cache(model).",
+    )
+
+
+def warn_compiled_inference_decision() -> None:
+    """A compiled forward met the inference-mode test, which runs in eager code."""
+    row = release_support(_decision.torch_version)
+    _warn_once(
+        "compiled-inference-decision",
+        f"torch {_decision.torch_version} cannot decide by inference mode inside a compiled "
+        f"graph ({row.reason}), so a compiled forward with KV-caches set up and no flag makes "
+        f"that decision in eager code: {row.graph_breaks_per_forward} graph break per forward, "
+        f"same results as eager. With fullgraph=True it fails instead; {FIX}.",
+    )
+
+
+def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
+    """An inference-mode pass of several tokens continues a cache that holds a finished
+    sequence (``attn.policy.inference_mode_decides`` says when)."""
+    _warn_once(
+        "inference-mode-onto-filled-cache",
+        f"a forward pass of {num_tokens} tokens per row ran under torch.inference_mode() onto "
+        f"a KV-cache that already holds {filled} tokens of an earlier sequence (a generation, a "
+        "decode step, a pass under the flag or a rewind ended it), so it was appended to that "
+        "sequence. To score without the cache, run it under torch.no_grad() or inside "
+        "attn.disable_kv_cache(model); to start a new sequence, call model.reset_caches() "
+        "first; to continue on purpose, use attn.cached_inference(model), which never warns.",
+    )
+
+
+def _loaded_class(name: str, *modules: str) -> type | None:
+    """``name`` from the first of ``modules`` already imported, else None (imports nothing)."""
+    for module in modules:
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def generation_fallback(model: nn.Module) -> str | None:
+    """Why ``attn.generate`` runs ``model`` under ``torch.no_grad()`` with the explicit cache
+    flag rather than under inference mode on the installed release, or ``None``.
+
+    A model sharded with FSDP2 (``fully_shard``) or with tensor-parallel (DTensor) parameters,
+    where the release table says that cannot run under inference mode. The passes that use
+    the cache, and the tokens, are the same either way. Imports nothing: a model can hold FSDP2
+    modules or DTensors only once torch.distributed's modules for them are loaded.
+    """
+    row = release_support(_decision.torch_version)
+    fsdp_module = _loaded_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+    sharded = fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
+    if sharded and not row.fsdp_inference_mode:
+        return f"a model sharded with FSDP2 cannot generate under inference mode ({FSDP_INFERENCE_MODE_REASON})"
+    dtensor = _loaded_class("DTensor", "torch.distributed.tensor")
+    split = dtensor is not None and any(isinstance(parameter, dtensor) for parameter in model.parameters())
+    if split and not row.tensor_parallel_inference_mode:
+        return (
+            "a model with tensor-parallel (DTensor) parameters cannot generate under inference mode "
+            f"({TENSOR_PARALLEL_INFERENCE_MODE_REASON})"
+        )
+    return None
+
+
+def warn_generation_fallback(reason: str) -> None:
+    """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
+    _warn_once(
+        f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
+        f"on torch {_decision.torch_version}, {reason}. attn.generate and attn.score_continuations "
+        "run it under torch.no_grad() "
+        "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
+        "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
+        "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "
+        "and attn.cached_inference passes.",
+    )
+
+
+def policy_report() -> str:
+    """The policy lines of ``attn info``: the policy in force and why, and how to change it."""
+    decision = cache_policy()
+    return "\n".join(
+        (
+            f"cache policy:        {decision.policy.value} ({decision.source}): {decision.reason}",
+            "usage:               torch.inference_mode() passes use the cache; torch.no_grad() and grad passes"
+            " leave it alone",
+            f"override:            {ENV_VAR}=inference|flag or attn.policy.set_cache_policy()",
+        )
+    )
+
+
+# -- the decision, per forward --------------------------------------------------------------
 
 
 def uses_cache(cache: KVCache | None, flag: bool | None, num_tokens: int, *, warn: bool = True) -> bool:
@@ -78,9 +337,9 @@ def explicit_decision(cache: KVCache | None, flag: bool | None, *, warn: bool = 
         return True
     if grad_enabled:
         return False
-    if compat.active_policy() is CachePolicy.FLAG:
+    if active_policy() is CachePolicy.FLAG:
         if warn and not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
-            compat.warn_inference_mode_ignored()
+            warn_inference_mode_ignored()
         return False
     return None
 
@@ -106,11 +365,11 @@ def inference_mode_decides(cache: KVCache, num_tokens: int, compiled: bool) -> b
     warn; to continue a sequence on purpose in any other case, use the flag.
     """
     if compiled:
-        compat.warn_compiled_inference_decision()
+        warn_compiled_inference_decision()
     enabled = torch.is_inference_mode_enabled()
     if enabled and num_tokens > 1:
         filled = cache.size  # one host read, in multi-token passes only (never in a decode step)
         if filled and filled != cache.chunk_end:
-            compat.warn_inference_mode_onto_filled_cache(filled, num_tokens)
+            warn_inference_mode_onto_filled_cache(filled, num_tokens)
         cache.chunk_end = filled + num_tokens
     return enabled

@@ -10,7 +10,7 @@ dispatch, which is where inference mode goes wrong; it does not check that ranks
 CPU tests do, with 2 processes). It measures, against this release's row of
 ``attn.compat.RELEASES``:
 
-1. ``attn.compat.probe_distributed_inference_mode`` on the device;
+1. ``attn.distributed.probe_distributed_inference_mode`` on the device;
 2. FSDP2 sharded by hand (``fully_shard`` on each layer and the root, nothing prepared), then a
    decode loop under plain ``torch.inference_mode()`` and a grad step after it: does the grad
    step fail with "Inplace update to inference tensor outside InferenceMode"?
@@ -67,7 +67,7 @@ def cycles(device: str, shard: Any, inference_mode_works: bool, config: attn.Dec
 
 def by_hand_inference_then_grad(device: str) -> dict[str, Any]:
     """fully_shard as a new user would, a plain inference-mode decode loop, then a grad pass."""
-    fsdp = compat.fsdp_api()
+    fsdp = attn.distributed.fsdp_api()
     model = on(device, worker.build_model())
     for layer in model.layers:
         fsdp.fully_shard(layer)
@@ -111,7 +111,7 @@ def main() -> int:
     problems = results["problems"]
     tensor_parallel, tp_inference_mode = attn.distributed.parallelize_tensor, row.tensor_parallel_inference_mode
     steps = {
-        "probe": lambda: compat.probe_distributed_inference_mode(args.device)._asdict(),
+        "probe": lambda: attn.distributed.probe_distributed_inference_mode(args.device)._asdict(),
         "fsdp_by_hand": lambda: by_hand_inference_then_grad(args.device),
         "fsdp_shard_fsdp_cycles": lambda: cycles(args.device, attn.distributed.shard_fsdp, True, worker.CONFIG),
         "tensor_parallel_cycles": lambda: cycles(args.device, tensor_parallel, tp_inference_mode, worker.CONFIG),

@@ -9,8 +9,8 @@ What the release must do is its row of ``attn.compat.RELEASES``, ``release_suppo
 installed torch); compat/matrix.toml only names the release. Checks:
 
 - ``policy``: the installed torch is the leg's release (the open-ended row for ``latest`` and
-  ``nightly``), and ``attn.compat.cache_policy()`` resolves, by default, to
-  ``attn.compat.DEFAULT_POLICY``.
+  ``nightly``), and ``attn.policy.cache_policy()`` resolves, by default, to
+  ``attn.policy.DEFAULT_POLICY``.
 - ``probe``: ``attn.compat.probe_is_inference_trace(backend)`` (fullgraph) traces, and keeps
   a sound guard over the stale-graph sequences, exactly where the row says, on every backend
   of ``probe_backends``; where it fails to trace, the error must contain the leg's
@@ -73,16 +73,16 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_policy(leg: matrix_data.Leg, row: compat.ReleaseSupport) -> dict:
-    decision = compat.cache_policy()
+    decision = attn.policy.cache_policy()
     installed = compat.torch_version()
     problems = []
     if leg.fixed_version and installed.release != compat.parse_torch_version(leg.fixed_version).release:
         problems.append(f"torch {installed} is installed, the leg names {leg.fixed_version}")
     if leg.floating and row.last is not None:
         problems.append(f"torch {installed} falls in the bounded row {row.label!r}; {leg.torch} must be newer")
-    if decision.policy is not compat.DEFAULT_POLICY:
+    if decision.policy is not attn.policy.DEFAULT_POLICY:
         problems.append(
-            f"cache_policy() resolved to {decision.policy.value!r}, the default is {compat.DEFAULT_POLICY.value!r}"
+            f"cache_policy() resolved to {decision.policy.value!r}, the default is {attn.policy.DEFAULT_POLICY.value!r}"
         )
     if decision.source != "default":
         problems.append(f"cache_policy() came from {decision.source!r}, not the release default")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(exc.args[0], file=sys.stderr)
         return 2
-    warnings.simplefilter("ignore", compat.CompatWarning)
+    warnings.simplefilter("ignore", attn.policy.CompatWarning)
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     result: dict = {
         "leg": leg.name,

@@ -146,7 +146,7 @@ def render_policy_table(matrix: Matrix | None = None, releases=None) -> str:
     matrix = matrix or load()
     if releases is None:
         from attn.compat import RELEASES as releases
-    from attn.compat import DEFAULT_POLICY
+    from attn.policy import DEFAULT_POLICY
 
     lines = [
         TABLE_START,

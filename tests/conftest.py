@@ -17,8 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import attn
-from attn import compat
-from attn.compat import CachePolicy
+from attn.policy import CachePolicy
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -118,10 +117,10 @@ def assert_cache_unchanged(model: attn.TransformerDecoder, before: list) -> None
 @pytest.fixture
 def restore_policy() -> Iterator[None]:
     """Puts the process's cache policy and once-per-process warnings back after a test."""
-    before = compat._decision
+    before = attn.policy._decision
     yield
-    compat._decision = before
-    compat._reset_warnings()
+    attn.policy._decision = before
+    attn.policy._reset_warnings()
 
 
 @pytest.fixture(params=[CachePolicy.INFERENCE, CachePolicy.FLAG], ids=["inference", "flag"])
@@ -131,7 +130,7 @@ def policy(request: pytest.FixtureRequest, restore_policy: None) -> CachePolicy:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", attn.CompatWarning)
-        compat.set_cache_policy(request.param)
+        attn.policy.set_cache_policy(request.param)
     return request.param
 
 

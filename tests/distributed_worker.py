@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import attn
+import attn.distributed
 from attn import compat
 
 WORLD_SIZE = 2
@@ -194,9 +195,9 @@ def _no_grad_flag(model: nn.Module) -> Iterator[None]:
 
 
 def _fully_shard_by_hand(model: attn.TransformerDecoder) -> None:
-    fsdp = compat.fsdp_api()
+    fsdp = attn.distributed.fsdp_api()
     # Where gloo sums when asked to average, FSDP2 must reduce in another dtype to average.
-    averages = compat.gloo_reduce_scatter_averages(dist.group.WORLD)
+    averages = attn.distributed.gloo_reduce_scatter_averages(dist.group.WORLD)
     mp_policy = fsdp.MixedPrecisionPolicy(reduce_dtype=None if averages else torch.float64)
     for layer in model.layers:
         fsdp.fully_shard(layer, mp_policy=mp_policy)
@@ -275,7 +276,7 @@ def refusals(rank: int) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {
-    "probe": lambda rank: compat.probe_distributed_inference_mode()._asdict(),
+    "probe": lambda rank: attn.distributed.probe_distributed_inference_mode()._asdict(),
     "refusals": refusals,
     "fsdp": lambda rank: fsdp_scenario(rank, compiled=False, by_hand=False),
     "fsdp_by_hand": lambda rank: fsdp_scenario(rank, compiled=False, by_hand=True),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import attn
 from attn import MultiHeadAttention
-from attn.compat import CachePolicy
+from attn.policy import CachePolicy
 
 from .reference import reference_attention, window_band
 

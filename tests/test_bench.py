@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attn
-from attn import bench, compat
+from attn import bench
 from attn.bench import run as run_module
 from attn.bench.check import check_logits, check_tokens
 from attn.bench.contenders import (
@@ -31,7 +31,7 @@ from attn.bench.contenders import (
     transformers_available,
 )
 from attn.bench.run import BenchSpec, run_benchmark
-from attn.compat import CachePolicy
+from attn.policy import CachePolicy
 from attn.rope import RopeScaling
 
 TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48)
@@ -68,7 +68,7 @@ TARGETS = {
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, str]]:
     """One full command-line run (every default contender, compiled one included), with a
     targets file: its JSON and its printed report."""
-    before = compat._decision
+    before = attn.policy._decision
     folder = tmp_path_factory.mktemp("bench")
     path, targets = folder / "bench.json", folder / "targets.json"
     targets.write_text(json.dumps(TARGETS))
@@ -77,7 +77,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, 
         status = bench.main(["--config", TINY_JSON, *ARGS, "--json", str(path), "--targets", str(targets)])
     assert status == 0
     yield json.loads(path.read_text()), printed.getvalue()
-    compat._decision = before
+    attn.policy._decision = before
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_attn(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != attn.compat.ENV_VAR}
+    env = {k: v for k, v in os.environ.items() if k != attn.policy.ENV_VAR}
     command = [sys.executable, "-m", "attn", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -46,7 +46,7 @@ def test_demo_subprocess_writes_json(tmp_path: Path) -> None:
     result = json.loads(path.read_text())
     assert result["ok"] is True and result["violations"] == []
     assert result["options"]["steps"] == 20 and result["options"]["seed"] == 3
-    assert result["policy"]["policy"] == attn.compat.DEFAULT_POLICY.value
+    assert result["policy"]["policy"] == attn.policy.DEFAULT_POLICY.value
     assert result["environment"]["torch"] == __import__("torch").__version__
     passes = result["passes"]
     assert len(passes) == 20  # the speed comparison times each way 3 times
@@ -129,7 +129,7 @@ def test_help_and_version(capsys: pytest.CaptureFixture) -> None:
 def test_info(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    decision = attn.compat.cache_policy()
+    decision = attn.policy.cache_policy()
     assert f"torch:               {__import__('torch').__version__}" in out
     assert f"cache policy:        {decision.policy.value}" in out
     assert decision.reason in out

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import warnings
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import attn
 from attn import compat
-from attn.compat import CachePolicy, CompatWarning, TorchVersion, parse_torch_version, release_support
+from attn.compat import TorchVersion, parse_torch_version, release_support
 
 from .conftest import tiny_model
 
@@ -87,79 +85,6 @@ def test_release_table_is_contiguous_and_total() -> None:
     assert all(r.traces_is_inference for r in rows if r.guards_is_inference)  # a guard needs a trace
 
 
-def test_default_policy_is_inference_on_every_release(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
-    monkeypatch.delenv(compat.ENV_VAR, raising=False)
-    decision = compat.set_cache_policy(None)
-    assert decision.source == "default"
-    assert decision.policy is CachePolicy.INFERENCE
-    assert decision.torch_version == parse_torch_version(torch.__version__)
-
-
-@pytest.mark.parametrize("value", ["inference", "FLAG", " flag "])
-def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None, value: str) -> None:
-    monkeypatch.setenv(compat.ENV_VAR, value)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompatWarning)
-        decision = compat.set_cache_policy(None)
-    assert decision.source == "environment"
-    assert decision.policy is CachePolicy(value.strip().lower())
-    assert compat.cache_policy() == decision
-
-
-def test_bad_environment_value_is_an_error(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
-    monkeypatch.setenv(compat.ENV_VAR, "sometimes")
-    with pytest.raises(ValueError, match=r"ATTN_CACHE_POLICY is 'sometimes'.*'inference', 'flag'"):
-        compat.set_cache_policy(None)
-
-
-def test_override_beats_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
-    monkeypatch.setenv(compat.ENV_VAR, "inference")
-    decision = compat.set_cache_policy("flag")
-    assert (decision.policy, decision.source) == (CachePolicy.FLAG, "override")
-    with pytest.raises(ValueError, match="not a cache policy"):
-        compat.set_cache_policy("never")
-    assert compat.cache_policy().policy is CachePolicy.FLAG  # a failed call changes nothing
-
-
-@pytest.mark.parametrize("policy_value", [None, "flag", "inference"])
-def test_setting_up_caches_never_warns(
-    monkeypatch: pytest.MonkeyPatch, restore_policy: None, policy_value: str | None
-) -> None:
-    monkeypatch.delenv(compat.ENV_VAR, raising=False)
-    compat.set_cache_policy(policy_value)
-    compat._reset_warnings()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        tiny_model().setup_caches(1, 8)
-    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
-
-
-def test_flag_policy_warns_once_when_inference_mode_is_ignored(restore_policy: None) -> None:
-    compat.set_cache_policy("flag")
-    compat._reset_warnings()
-    model = tiny_model()
-    model.setup_caches(1, 16)
-    tokens = torch.randint(0, 61, (1, 4))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with torch.inference_mode():
-            model(tokens)
-            model(tokens)
-    messages = [str(w.message) for w in caught if issubclass(w.category, CompatWarning)]
-    assert len(messages) == 1 and "did not use or change the cache" in messages[0]
-    assert model.kv_caches()[0].size == 0
-    compat._reset_warnings()
-    with warnings.catch_warnings(record=True) as caught:  # disable_kv_cache is a deliberate choice
-        warnings.simplefilter("always")
-        with torch.inference_mode(), attn.disable_kv_cache(model):
-            model(tokens)
-    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
-
-
-def test_compat_warning_is_a_filterable_user_warning() -> None:
-    assert issubclass(CompatWarning, UserWarning)
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_probe_agrees_with_release_table(backend: str) -> None:
     result = compat.probe_is_inference_trace(backend)
@@ -169,12 +94,10 @@ def test_probe_agrees_with_release_table(backend: str) -> None:
     assert (result.error is None) is result.decides_in_graph
 
 
-def test_report_names_version_policy_and_reason() -> None:
+def test_report_names_the_version_and_its_row() -> None:
     report = compat.compat_report()
-    decision = compat.cache_policy()
-    assert torch.__version__ in report
-    assert decision.policy.value in report and decision.reason in report
-    assert compat.ENV_VAR in report
+    row = compat.release_support()
+    assert torch.__version__ in report and row.label in report and row.reason in report
 
 
 def test_compile_regions_compile_one_layer_for_all_only_when_asked() -> None:

@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import attn
 from attn import compat
-from attn.compat import CachePolicy
+from attn.policy import CachePolicy
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -132,7 +132,7 @@ def test_plain_inference_mode_loop_uses_the_cache_compiled(backend: str, restore
     model.setup_caches(1, 32)
     assert inference_mode_loop(model, prompt, 8) == expected  # eager
     model.reset_caches()
-    compat._reset_warnings()
+    attn.policy._reset_warnings()
     compiled = torch.compile(model, backend=backend)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import attn
-from attn import compat
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -45,8 +44,8 @@ class EagerAgainstCompiled(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         torch._dynamo.reset()
-        self.saved_decision = compat.cache_policy()
-        compat.set_cache_policy(None)  # the default: inference mode decides
+        self.saved_decision = attn.policy.cache_policy()
+        attn.policy.set_cache_policy(None)  # the default: inference mode decides
         self.eager = tiny_model(31, num_layers=2, embed_dim=16, num_heads=2, num_kv_heads=1, hidden_dim=24)
         self.base = copy.deepcopy(self.eager)
         self.compiled = torch.compile(self.base, backend="eager")
@@ -55,7 +54,7 @@ class EagerAgainstCompiled(RuleBasedStateMachine):
         self.fill = 0
 
     def teardown(self) -> None:
-        compat._decision = self.saved_decision
+        attn.policy._decision = self.saved_decision
         torch._dynamo.reset()
 
     def _ids(self, n: int, seed: int, inference_ids: bool) -> torch.Tensor:

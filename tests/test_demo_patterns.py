@@ -16,7 +16,6 @@ import torch
 
 import attn
 from attn.bench.baseline import greedy_without_cache
-from attn.compat import CachePolicy
 from attn.demo.lora import LoRALinear, lora_parameters
 from attn.demo.model import build_model
 from attn.demo.patterns import (
@@ -30,6 +29,7 @@ from attn.demo.patterns import (
 )
 from attn.demo.speed import measure_speed
 from attn.demo.task import AdditionTask
+from attn.policy import CachePolicy
 
 from .conftest import assert_cache_unchanged, cache_state
 
@@ -81,7 +81,7 @@ def test_training_never_touches_the_cache(task: AdditionTask, trained: dict, pol
 
 def test_eval_pattern_uses_the_cache_only_to_generate(task: AdditionTask, trained: dict, policy: CachePolicy) -> None:
     model, never_cached = fresh(task, trained)
-    attn.compat._reset_warnings()
+    attn.policy._reset_warnings()
     if policy is CachePolicy.FLAG:  # the hand-written inference-mode loop leaves the cache alone, and says so
         with pytest.warns(attn.CompatWarning, match="did not use or change the cache"):
             result = eval_pattern(model, task, task.eval_problems)
@@ -209,7 +209,7 @@ def test_patterns_compiled(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", attn.CompatWarning)  # forcing INFERENCE on torch 2.13 warns
-        attn.compat.set_cache_policy(forced)
+        attn.policy.set_cache_policy(forced)
     model, _ = fresh(task, trained)
     compiled = torch.compile(model, backend="eager")
     with torch._dynamo.config.patch(recompile_limit=64):

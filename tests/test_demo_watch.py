@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import attn
-from attn.compat import CachePolicy
 from attn.demo.watch import PassRecord, fill_positions, watch
+from attn.policy import CachePolicy
 
 from .conftest import tiny_model
 
@@ -47,10 +47,10 @@ def test_negative_control_plain_inference_mode_writes_the_cache_under_the_infere
     """What ``disable_kv_cache`` prevents: the watch must flag it, by the numbers."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", attn.CompatWarning)  # forcing INFERENCE on torch 2.13 warns
-        attn.compat.set_cache_policy("inference")
+        attn.policy.set_cache_policy("inference")
     model = cached_model()
     records: list[PassRecord] = []
-    attn.compat._reset_warnings()
+    attn.policy._reset_warnings()
     trap = pytest.warns(attn.CompatWarning, match="already holds 5 tokens of an earlier sequence")
     with trap, watch(model, records, pattern="eval", kind="scoring", expect_cache=False), torch.inference_mode():
         model(torch.randint(0, 61, (2, 3)))  # a log-likelihood pass without disable_kv_cache

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import attn
+import attn.distributed
 from attn import compat
 from tests import distributed_worker
 from tests.conftest import tiny_model
@@ -43,7 +44,7 @@ def test_release_table_says_where_sharded_models_take_inference_mode(
 
 
 def test_an_unsharded_model_generates_under_inference_mode() -> None:
-    assert compat.generation_fallback(tiny_model()) is None
+    assert attn.policy.generation_fallback(tiny_model()) is None
 
 
 @pytest.mark.parametrize("name", ["shard_fsdp", "parallelize_tensor"])
@@ -76,7 +77,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def fsdp_outcome(results: dict[str, Any], name: str = "fsdp") -> dict[str, Any]:
-    if not compat.fsdp_runs_on("cpu"):
+    if not attn.distributed.fsdp_runs_on("cpu"):
         pytest.skip(f"FSDP2 does not run on CPU on torch {torch.__version__}: shard_fsdp refuses (tested)")
     return results[name]
 
@@ -86,7 +87,7 @@ def fsdp_outcome(results: dict[str, Any], name: str = "fsdp") -> dict[str, Any]:
 def test_probe_agrees_with_the_release_table(ranks: list[dict[str, Any]], rank: int) -> None:
     probe = ranks[rank]["probe"]
     assert "error" not in probe, probe.get("traceback")
-    assert probe["fsdp_runs"] is compat.fsdp_runs_on("cpu"), probe["errors"]
+    assert probe["fsdp_runs"] is attn.distributed.fsdp_runs_on("cpu"), probe["errors"]
     if probe["fsdp_runs"]:
         assert probe["fsdp_inference_mode"] is ROW.fsdp_inference_mode, probe["errors"]
         if not ROW.fsdp_inference_mode:
@@ -148,7 +149,7 @@ def test_fsdp_cache_holds_every_head_of_the_rank_rows(ranks: list[dict[str, Any]
 
 @pytest.mark.slow
 def test_shard_fsdp_refuses_cpu_where_fsdp2_cannot_run(ranks: list[dict[str, Any]]) -> None:
-    if compat.fsdp_runs_on("cpu"):
+    if attn.distributed.fsdp_runs_on("cpu"):
         pytest.skip(f"FSDP2 runs on CPU on torch {torch.__version__}")
     assert ranks[0]["fsdp"]["error"].startswith("RuntimeError: FSDP2 does not run on cpu on torch")
     assert not ranks[0]["probe"]["fsdp_runs"]

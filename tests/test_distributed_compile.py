@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from attn import compat
+import attn.distributed
 from tests.distributed_worker import compare_cycles, launch
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_compiled_fsdp_ppo_cycles_equal_the_unsharded_model(ranks: list[dict[str, Any]], rank: int) -> None:
     """Generation, no_grad scores, loss and updated weights as unsharded, three cycles; every
     graph compiled in the first cycle."""
-    if not compat.fsdp_runs_on("cpu"):
+    if not attn.distributed.fsdp_runs_on("cpu"):
         pytest.skip(f"FSDP2 does not run on CPU on torch {torch.__version__}")
     compare_cycles(ranks[rank]["fsdp_by_hand_compiled"], compiled=True)
 

@@ -210,7 +210,7 @@ def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
 ) -> None:
     """The step decides in eager code: inference mode drives it as it drives the model, with
     generate's tokens; under FLAG inference mode alone leaves the cache alone (eager's rule)."""
-    compat.set_cache_policy(policy_value)
+    attn.policy.set_cache_policy(policy_value)
     model = fast.model
     expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=6).generated
     model.reset_caches()

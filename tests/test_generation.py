@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import attn
 from attn import generate, padded_causal_mask
-from attn.compat import CachePolicy
 from attn.generation import _draw
+from attn.policy import CachePolicy
 
 from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
 

@@ -34,8 +34,8 @@ from lm_eval.tasks import TaskManager
 import attn
 from attn import cli
 from attn.checkpoint import save_pretrained
-from attn.compat import CachePolicy
 from attn.integrations.lm_eval import AttnLM, TokenizerFile
+from attn.policy import CachePolicy
 from tests.conftest import assert_cache_unchanged, cache_state, tiny_model
 
 pytestmark = pytest.mark.slow  # and its install: pip install -e '.[test,lm-eval]'
@@ -255,15 +255,15 @@ def test_scoring_ignores_a_filled_cache(policy: CachePolicy) -> None:
 def test_without_disable_the_hazard_is_real(restore_policy: None) -> None:
     """The control: a scoring pass under plain inference mode does use a filled cache here,
     and says so."""
-    attn.compat.set_cache_policy(CachePolicy.INFERENCE)
-    attn.compat._reset_warnings()
+    attn.policy.set_cache_policy(CachePolicy.INFERENCE)
+    attn.policy._reset_warnings()
     model = _model(seed=2)
     model.setup_caches(1, 64)
     tokens = torch.tensor([[ord(c) for c in "Hello there"]])
     attn.generate(model, tokens, max_new_tokens=5)
     with torch.inference_mode():
         clean = _score_alone(model, tokens)
-        with pytest.warns(attn.CompatWarning, match="already holds 15 tokens of an earlier generation"):
+        with pytest.warns(attn.CompatWarning, match="already holds 15 tokens of an earlier sequence"):
             stale = model(tokens)  # continues from the cache: positions and keys of the last generation
     assert not torch.allclose(stale, clean)
 

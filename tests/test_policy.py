@@ -18,7 +18,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import attn
-from attn.compat import CachePolicy
+from attn.compat import parse_torch_version
+from attn.policy import CachePolicy, CompatWarning
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -67,7 +68,7 @@ def test_policy_table(policy: CachePolicy, kind: str, flag: str) -> None:
     # appended to the prefill above, which the flag ended: the scoring trap. Each warns.
     warns = contextlib.nullcontext()
     if kind == "inference_mode" and flag == "no flag":
-        attn.compat._reset_warnings()
+        attn.policy._reset_warnings()
         says = "did not use or change the cache" if policy is CachePolicy.FLAG else "already holds 3 tokens"
         warns = pytest.warns(attn.CompatWarning, match=says)
     with FLAGS[flag](model), PASSES[kind]():
@@ -129,7 +130,7 @@ def test_no_caches_means_nothing_is_enabled(policy: CachePolicy) -> None:
 def test_the_readme_loop_uses_the_cache_by_default(restore_policy: None) -> None:
     """With no policy set, plain torch.inference_mode() decodes with the cache: the tokens of
     a loop that recomputes the whole sequence every step, and a cache that holds it all."""
-    attn.compat.set_cache_policy(None)
+    attn.policy.set_cache_policy(None)
     model = tiny_model(9)
     prompt = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(1))
     reference = prompt.clone()
@@ -157,8 +158,8 @@ def _compat_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.War
 def test_scoring_under_inference_mode_after_a_generation_warns_once_at_the_users_line(
     restore_policy: None,
 ) -> None:
-    attn.compat.set_cache_policy(None)
-    attn.compat._reset_warnings()
+    attn.policy.set_cache_policy(None)
+    attn.policy._reset_warnings()
     model = tiny_model(10)
     model.setup_caches(2, 32)
     batch = torch.randint(0, 61, (2, 5))
@@ -183,8 +184,8 @@ def test_scoring_under_inference_mode_after_a_generation_warns_once_at_the_users
 
 
 def test_generate_gives_no_warning(restore_policy: None) -> None:
-    attn.compat.set_cache_policy(None)
-    attn.compat._reset_warnings()
+    attn.policy.set_cache_policy(None)
+    attn.policy._reset_warnings()
     model = tiny_model(11)
     model.setup_caches(2, 32)
     with warnings.catch_warnings():
@@ -215,14 +216,14 @@ TRAP_OPS = st.one_of(
 def test_the_scoring_trap_warns_exactly_when_a_finished_sequence_is_continued(
     ops: list[tuple[str, int]], restore_policy: None
 ) -> None:
-    attn.compat.set_cache_policy(None)
+    attn.policy.set_cache_policy(None)
     model = tiny_model(12)
     model.setup_caches(2, 64)
     sequence_open = False
     for op, n in ops:
         filled = model.kv_caches()[0].size
         tokens = torch.randint(0, 61, (2, n)) if n else None
-        attn.compat._reset_warnings()
+        attn.policy._reset_warnings()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if op == "plain":
@@ -250,8 +251,8 @@ def test_the_scoring_trap_warns_exactly_when_a_finished_sequence_is_continued(
 
 
 def test_a_stop_on_the_first_token_ends_the_sequence(restore_policy: None) -> None:
-    attn.compat.set_cache_policy(None)
-    attn.compat._reset_warnings()
+    attn.policy.set_cache_policy(None)
+    attn.policy._reset_warnings()
     model = tiny_model(13)
     model.setup_caches(1, 32)
     first = attn.generate(model, [[1, 2, 3]], max_new_tokens=1).tokens[0, -1].item()
@@ -260,3 +261,85 @@ def test_a_stop_on_the_first_token_ends_the_sequence(restore_policy: None) -> No
     trap = pytest.warns(attn.CompatWarning, match="already holds 3 tokens of an earlier sequence")
     with trap, torch.inference_mode():
         model(torch.randint(0, 61, (1, 4)))
+
+
+# -- the policy in force, and its warnings ---------------------------------------------------
+
+
+def test_default_policy_is_inference_on_every_release(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.delenv(attn.policy.ENV_VAR, raising=False)
+    decision = attn.policy.set_cache_policy(None)
+    assert decision.source == "default"
+    assert decision.policy is CachePolicy.INFERENCE
+    assert decision.torch_version == parse_torch_version(torch.__version__)
+
+
+@pytest.mark.parametrize("value", ["inference", "FLAG", " flag "])
+def test_policy_from_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None, value: str) -> None:
+    monkeypatch.setenv(attn.policy.ENV_VAR, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompatWarning)
+        decision = attn.policy.set_cache_policy(None)
+    assert decision.source == "environment"
+    assert decision.policy is CachePolicy(value.strip().lower())
+    assert attn.policy.cache_policy() == decision
+
+
+def test_bad_environment_value_is_an_error(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.setenv(attn.policy.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=r"ATTN_CACHE_POLICY is 'sometimes'.*'inference', 'flag'"):
+        attn.policy.set_cache_policy(None)
+
+
+def test_override_beats_environment(monkeypatch: pytest.MonkeyPatch, restore_policy: None) -> None:
+    monkeypatch.setenv(attn.policy.ENV_VAR, "inference")
+    decision = attn.policy.set_cache_policy("flag")
+    assert (decision.policy, decision.source) == (CachePolicy.FLAG, "override")
+    with pytest.raises(ValueError, match="not a cache policy"):
+        attn.policy.set_cache_policy("never")
+    assert attn.policy.cache_policy().policy is CachePolicy.FLAG  # a failed call changes nothing
+
+
+@pytest.mark.parametrize("policy_value", [None, "flag", "inference"])
+def test_setting_up_caches_never_warns(
+    monkeypatch: pytest.MonkeyPatch, restore_policy: None, policy_value: str | None
+) -> None:
+    monkeypatch.delenv(attn.policy.ENV_VAR, raising=False)
+    attn.policy.set_cache_policy(policy_value)
+    attn.policy._reset_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_model().setup_caches(1, 8)
+    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
+
+
+def test_flag_policy_warns_once_when_inference_mode_is_ignored(restore_policy: None) -> None:
+    attn.policy.set_cache_policy("flag")
+    attn.policy._reset_warnings()
+    model = tiny_model()
+    model.setup_caches(1, 16)
+    tokens = torch.randint(0, 61, (1, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.inference_mode():
+            model(tokens)
+            model(tokens)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CompatWarning)]
+    assert len(messages) == 1 and "did not use or change the cache" in messages[0]
+    assert model.kv_caches()[0].size == 0
+    attn.policy._reset_warnings()
+    with warnings.catch_warnings(record=True) as caught:  # disable_kv_cache is a deliberate choice
+        warnings.simplefilter("always")
+        with torch.inference_mode(), attn.disable_kv_cache(model):
+            model(tokens)
+    assert not [w for w in caught if issubclass(w.category, CompatWarning)]
+
+
+def test_compat_warning_is_a_filterable_user_warning() -> None:
+    assert issubclass(CompatWarning, UserWarning)
+
+
+def test_report_names_the_policy_its_source_and_the_override() -> None:
+    report = attn.policy.policy_report()
+    decision = attn.policy.cache_policy()
+    assert decision.policy.value in report and decision.reason in report and attn.policy.ENV_VAR in report

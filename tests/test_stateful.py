@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import attn
-from attn import compat
-from attn.compat import CachePolicy
+from attn.policy import CachePolicy
 
 from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
@@ -38,7 +37,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.capacity = 0
         self.cached: torch.Tensor | None = None  # (BATCH, n) tokens the cache should hold
         self.stale = False  # weights (or parity mode) changed since the cache was filled
-        self.saved_decision = compat.cache_policy()
+        self.saved_decision = attn.policy.cache_policy()
         self.saved_slot_step = attn.kv_cache.SLOT_STEP
 
     @initialize(policy=st.sampled_from(list(CachePolicy)), slot_step=st.sampled_from([64, 4, 1]))
@@ -49,10 +48,10 @@ class CacheMachine(RuleBasedStateMachine):
         attn.kv_cache.SLOT_STEP = slot_step
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", attn.CompatWarning)
-            compat.set_cache_policy(policy)
+            attn.policy.set_cache_policy(policy)
 
     def teardown(self) -> None:
-        compat._decision = self.saved_decision
+        attn.policy._decision = self.saved_decision
         attn.kv_cache.SLOT_STEP = self.saved_slot_step
 
     # -- helpers -------------------------------------------------------------------------

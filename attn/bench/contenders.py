@@ -33,14 +33,14 @@ import torch
 from torch import nn
 
 import attn
-from attn import compat
+from attn import policy as cache_rules
 from attn.bench import gguf_export
 from attn.bench.baseline import greedy_without_cache
 from attn.checkpoint import config_to_hf, hf_tensor_names
-from attn.compat import CachePolicy, CompatWarning
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
 from attn.fast_decode import DecodeCompiled, compile_for_decode
+from attn.policy import CachePolicy, CompatWarning
 
 __all__ = [
     "CONTENDERS",
@@ -134,16 +134,16 @@ def cache_policy(policy: CachePolicy | None) -> Iterator[None]:
     if policy is None:
         yield
         return
-    before = compat.cache_policy()
+    before = cache_rules.cache_policy()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompatWarning)
-        compat.set_cache_policy(policy)
+        cache_rules.set_cache_policy(policy)
     try:
         yield
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CompatWarning)
-            compat.set_cache_policy(before.policy if before.source == "override" else None)
+            cache_rules.set_cache_policy(before.policy if before.source == "override" else None)
 
 
 def init_weights(model: nn.Module, std: float, seed: int) -> None:

@@ -39,9 +39,9 @@ from attn.bench.measure import (
     reset_peak_rss,
     rss_mb,
 )
-from attn.compat import CompatWarning
 from attn.decoder import DecoderConfig
 from attn.dtypes import dtype_from_name
+from attn.policy import CompatWarning
 
 __all__ = ["BenchResult", "BenchSpec", "CellInfo", "Row", "run_benchmark"]
 
@@ -369,9 +369,9 @@ def machine_info() -> dict[str, Any]:
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
-    from attn import compat
+    from attn.policy import cache_policy
 
-    decision = compat.cache_policy()
+    decision = cache_policy()
     info["cache_policy"] = f"{decision.policy.value} ({decision.source})"
     return info
 

@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
-from attn.compat import CachePolicy
 from attn.decoder import TransformerDecoder
 from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import IGNORE_INDEX, AdditionTask, Problem
 from attn.demo.watch import JsonResult, PassRecord, base_model, watch
 from attn.generation import GenerationOutput, generate
 from attn.masks import padded_causal_mask
+from attn.policy import CachePolicy, cache_policy
 
 __all__ = [
     "EvalResult",
@@ -266,7 +265,7 @@ def eval_pattern(model: nn.Module, task: AdditionTask, problems: list[Problem]) 
         again, completions_again = generation_task(model, task, problems)
     prompts = torch.tensor([task.prompt_ids(p) for p in problems])  # (n, P): one length
     base.reset_caches()
-    by_default = compat.cache_policy().policy is CachePolicy.INFERENCE  # not under ATTN_CACHE_POLICY=flag
+    by_default = cache_policy().policy is CachePolicy.INFERENCE  # not under ATTN_CACHE_POLICY=flag
     with watch(
         model,
         records,

@@ -6,13 +6,13 @@ Formatting only: every number comes from the results in ``attn.demo.patterns``,
 
 from __future__ import annotations
 
-from attn.compat import PolicyDecision
 from attn.decoder import TransformerDecoder
 from attn.demo.grpo import GRPOResult
 from attn.demo.patterns import EvalResult, PPOResult, TrainResult
 from attn.demo.result import DemoOptions, DemoResult
 from attn.demo.task import AdditionTask
 from attn.demo.watch import PassRecord
+from attn.policy import PolicyDecision
 
 __all__ = ["eval_lines", "header", "lora_ppo_lines", "ppo_lines", "summary", "table", "train_line"]
 

@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 import attn
-from attn import compat
 from attn.demo import report
 from attn.demo.grpo import grpo_pattern
 from attn.demo.model import build_model
@@ -34,6 +33,7 @@ from attn.demo.result import DemoOptions, DemoResult
 from attn.demo.speed import measure_speed
 from attn.demo.task import AdditionTask
 from attn.demo.watch import PassRecord, watch
+from attn.policy import CompatWarning, cache_policy, set_cache_policy
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo"]  # the first two from attn.demo.result
 
@@ -59,9 +59,9 @@ def run_demo(
     bar goes to ``progress_stream`` (default: stderr).
     """
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", compat.CompatWarning)
+        warnings.simplefilter("always", CompatWarning)
         if options.policy is not None:
-            compat.set_cache_policy(options.policy)
+            set_cache_policy(options.policy)
         # Each kind of pass is its own graph (grad mode, flag, shapes, adapters on or off):
         # about a dozen, more than dynamo's default limit of 8 recompiles per function.
         with torch._dynamo.config.patch(recompile_limit=64):
@@ -73,7 +73,7 @@ def run_demo(
 def _run(options: DemoOptions, say: Callable[[str], None], progress_stream: TextIO | None) -> DemoResult:
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    decision = compat.cache_policy()
+    decision = cache_policy()
     task = AdditionTask(num_digits=2, num_eval=options.batch_size, seed=options.seed)
     model = build_model(task, seed=options.seed)
     model.setup_caches(options.batch_size, model.config.max_seq_len)
