@@ -5,7 +5,9 @@ one ``model.safetensors``, or shards listed by ``model.safetensors.index.json``.
 reads tensors with ``safetensors`` only: it never unpickles anything and never imports
 ``transformers``.
 
-Supported (``SUPPORTED_ARCHITECTURES``), each a switch of the one decoder's config:
+Supported (``SUPPORTED_ARCHITECTURES``), each a switch of the one decoder's config, each a
+record in ``attn.families`` (its defaults, spellings and tensor names); this module only reads
+and writes through them:
 
 =========  ====================  =====================================================
 model_type architecture          what differs from Llama
@@ -66,6 +68,7 @@ from attn.checks import is_int, is_number
 from attn.decoder import DecoderConfig, TransformerDecoder, decoder_of
 from attn.dtypes import dtype_from_name, long_name
 from attn.errors import first_line
+from attn.families import FAMILIES, TOP_TENSORS, Family, family_for, family_named
 from attn.rope import RopeScaling
 
 __all__ = [
@@ -94,47 +97,13 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-"""model_type -> the one ``architectures`` entry loadable for it."""
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = {family.model_type: family.architecture for family in FAMILIES}
+"""model_type -> the one ``architectures`` entry loadable for it (``attn.families``)."""
 
-
-# Per-layer tensor names: attn suffix -> Hugging Face suffix.
-_LAYER_TENSORS: Mapping[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.q_proj.weight": "self_attn.q_proj.weight",
-    "attn.k_proj.weight": "self_attn.k_proj.weight",
-    "attn.v_proj.weight": "self_attn.v_proj.weight",
-    "attn.o_proj.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "mlp.up_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-}
-_QKV_BIASES: Mapping[str, str] = {f"attn.{p}_proj.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
-_OUT_BIAS: Mapping[str, str] = {"attn.o_proj.bias": "self_attn.o_proj.bias"}
-_QK_NORMS: Mapping[str, str] = {f"attn.{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"}
-_TOP_TENSORS: Mapping[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 # Buffers that old transformers releases saved; they are derived from the config (as
 # transformers itself does on load), so they are skipped, not reported as unexpected.
 _DERIVED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _ROPE_THETA_DEFAULT = 10000.0  # transformers' default when a config names none
-# transformers' defaults for keys a config.json may leave out, where the families differ
-# (None: num_key_value_heads defaults to num_attention_heads).
-_FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
-    "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048},
-    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
-    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
-}
 _SUPPORTED_ACTIVATIONS = ("silu", "swish")  # one function under two names
 
 
@@ -207,8 +176,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
 
         cfg = attn.checkpoint.config_from_hf(json.loads(Path("ckpt/config.json").read_text()))
     """
-    model_type = _check_architecture(hf_config)
-    hf_config = {**_FAMILY_DEFAULTS[model_type], **hf_config}  # keys left out, not explicit nulls
+    family = family_named(_check_architecture(hf_config))
+    hf_config = {**family.defaults, **hf_config}  # keys left out, not explicit nulls
     _check_options(hf_config)
     hidden_size = _get_int(hf_config, "hidden_size")
     num_heads = _get_int(hf_config, "num_attention_heads")
@@ -216,8 +185,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
     head_dim = _get_int(hf_config, "head_dim", default=None)
     max_seq_len = _get_int(hf_config, "max_position_embeddings")
     rope_base, rope_scaling, rope_context = _rope(hf_config, max_seq_len)
-    qkv_bias, out_bias = _attention_biases(hf_config, model_type)
-    sliding_window = _sliding_window(hf_config, model_type, max_seq_len)
+    qkv_bias, out_bias = _attention_biases(hf_config, family)
+    sliding_window = _sliding_window(hf_config, family, max_seq_len)
     try:
         return DecoderConfig(
             vocab_size=_get_int(hf_config, "vocab_size"),
@@ -234,7 +203,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             tie_embeddings=_get_bool(hf_config, "tie_word_embeddings", default=False),
             qkv_bias=qkv_bias,
             out_bias=out_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=family.qk_norm,
             sliding_window=sliding_window,
         )
     except ValueError as err:  # DecoderConfig's own validation, e.g. heads vs kv heads
@@ -252,7 +221,7 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
     Raises:
         ValueError: no Hugging Face family has this combination of features.
     """
-    model_type = _family_of(config)
+    family = family_for(config)
     rope = {"rope_type": "default"}
     if config.rope_scaling is not None:
         rope = {"rope_type": config.rope_scaling.kind, "factor": config.rope_scaling.factor}
@@ -268,8 +237,8 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
             optional = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "truncate": True}
             rope |= {key: getattr(yarn, key) for key, default in optional.items() if getattr(yarn, key) != default}
     hf_config: dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHITECTURES[model_type]],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.embed_dim,
         "num_hidden_layers": config.num_layers,
@@ -286,34 +255,11 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
         "hidden_act": "silu",
         "dtype": long_name(dtype),
     }
-    if model_type in ("llama", "qwen3"):
+    if family.biases == "shared":
         hf_config["attention_bias"] = config.qkv_bias
-    if model_type == "llama":
-        hf_config["mlp_bias"] = False
-    if model_type in ("qwen2", "qwen3"):
-        hf_config["use_sliding_window"] = False
-    if model_type == "mistral":
+    if family.window == "every_layer":
         hf_config["sliding_window"] = config.sliding_window
-    return hf_config
-
-
-def _family_of(config: DecoderConfig) -> str:
-    """The Hugging Face model_type that can hold ``config``."""
-    windowed = config.sliding_window is not None and config.sliding_window < config.max_seq_len
-    biases = (config.qkv_bias, config.out_bias)
-    if config.qk_norm and not windowed and biases in ((False, False), (True, True)):
-        return "qwen3"
-    if not config.qk_norm and not windowed and biases == (True, False):
-        return "qwen2"
-    if not config.qk_norm and windowed and biases == (False, False):
-        return "mistral"
-    if not config.qk_norm and not windowed and biases in ((False, False), (True, True)):
-        return "llama"
-    raise ValueError(
-        f"no Hugging Face model family has this combination: qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias}, "
-        f"out_bias={config.out_bias}, sliding_window={config.sliding_window}; save_pretrained writes Llama, "
-        "Mistral, Qwen2 or Qwen3 checkpoints"
-    )
+    return hf_config | dict(family.written)
 
 
 def _check_architecture(hf_config: Mapping[str, Any]) -> str:
@@ -361,23 +307,21 @@ def _check_options(hf_config: Mapping[str, Any]) -> None:
         )
 
 
-def _attention_biases(hf_config: Mapping[str, Any], model_type: str) -> tuple[bool, bool]:
-    """(q/k/v biases, output bias): Qwen2 always has the first only; Llama and Qwen3 have both
-    or neither (``attention_bias``); Mistral has none."""
-    if model_type == "qwen2":
+def _attention_biases(hf_config: Mapping[str, Any], family: Family) -> tuple[bool, bool]:
+    """(q/k/v biases, output bias), as the family spells them (``attn.families.Biases``)."""
+    if family.biases == "qkv":
         return True, False
-    if model_type == "mistral":
+    if family.biases == "none":
         return False, False
     bias = _get_bool(hf_config, "attention_bias", default=False)
     return bias, bias
 
 
-def _sliding_window(hf_config: Mapping[str, Any], model_type: str, max_seq_len: int) -> int | None:
-    """The window every layer applies, or None. Mistral windows every layer; Qwen2/Qwen3
-    window only when ``use_sliding_window`` is set, and then only some layers."""
-    if model_type == "mistral":
+def _sliding_window(hf_config: Mapping[str, Any], family: Family, max_seq_len: int) -> int | None:
+    """The window every layer applies, or None, as the family spells it (``attn.families.Window``)."""
+    if family.window == "every_layer":
         window = _get_int(hf_config, "sliding_window", default=None)
-    elif model_type in ("qwen2", "qwen3") and _get_bool(hf_config, "use_sliding_window", default=False):
+    elif family.window == "opt_in" and _get_bool(hf_config, "use_sliding_window", default=False):
         window = _get_int(hf_config, "sliding_window", default=None)
         layers = _get_int(hf_config, "num_hidden_layers")
         first = _get_int(hf_config, "max_window_layers", default=28)
@@ -560,22 +504,9 @@ def _dtype_or_none(name: torch.dtype | str | None, error_type: type[Exception], 
 # ---------------------------------------------------------------------------- tensors
 
 
-def hf_tensor_names(config: DecoderConfig) -> dict[str, str]:
+def hf_tensor_names(config: DecoderConfig, family: Family | None = None) -> dict[str, str]:
     """attn parameter name -> Hugging Face tensor name, for every parameter of the model."""
-    layer_tensors = {
-        **_LAYER_TENSORS,
-        **(_QKV_BIASES if config.qkv_bias else {}),
-        **(_OUT_BIAS if config.out_bias else {}),
-        **(_QK_NORMS if config.qk_norm else {}),
-    }
-    names = {"tok_embeddings.weight": _TOP_TENSORS["tok_embeddings.weight"]}
-    for i in range(config.num_layers):
-        for ours, theirs in layer_tensors.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    names["norm.weight"] = _TOP_TENSORS["norm.weight"]
-    if not config.tie_embeddings:
-        names["output.weight"] = _TOP_TENSORS["output.weight"]
-    return names
+    return (family or family_for(config)).tensor_names(config)
 
 
 @dataclass(frozen=True)
@@ -641,7 +572,7 @@ def _check_names(index: _Index, names: Mapping[str, str], config: DecoderConfig)
     expected = set(names.values())
     stored = {n for n in index.files if not _DERIVED_TENSOR.match(n)}
     if config.tie_embeddings:
-        stored.discard(_TOP_TENSORS["output.weight"])  # checked for equality on load
+        stored.discard(TOP_TENSORS["output.weight"])  # checked for equality on load
     missing = sorted(expected - stored)
     if missing:
         raise MissingTensorError(
@@ -659,7 +590,7 @@ def _check_names(index: _Index, names: Mapping[str, str], config: DecoderConfig)
 
 
 def _hint(missing: list[str], config: DecoderConfig) -> str:
-    if missing == [_TOP_TENSORS["output.weight"]] and not config.tie_embeddings:
+    if missing == [TOP_TENSORS["output.weight"]] and not config.tie_embeddings:
         return " (no lm_head.weight: if the output layer shares the embedding, set tie_word_embeddings to true)"
     return ""
 
@@ -789,7 +720,7 @@ def load_pretrained(
     index = _read_index(directory)
     if hf_config.get("quantization_config") is not None:
         _check_dequantized(hf_config["quantization_config"], index)
-    names = hf_tensor_names(config)
+    names = hf_tensor_names(config, family_named(_check_architecture(hf_config)))
     _check_names(index, names, config)
 
     with torch.device("meta"):  # shapes only: nothing is allocated before every header is checked
@@ -809,7 +740,7 @@ def load_pretrained(
         with torch.no_grad():
             for ours, theirs in names.items():
                 params[ours].copy_(readers[index.files[theirs]].get_tensor(theirs))
-            tied_head = _TOP_TENSORS["output.weight"]
+            tied_head = TOP_TENSORS["output.weight"]
             if config.tie_embeddings and tied_head in index.files:
                 _check_tied_head(
                     readers[index.files[tied_head]].get_tensor(tied_head), params["tok_embeddings.weight"], index
@@ -827,7 +758,7 @@ def _materialize(model: TransformerDecoder, device: torch.device | str | None) -
 
 
 def _check_tied_head(head: torch.Tensor, embedding: torch.Tensor, index: _Index) -> None:
-    name = _TOP_TENSORS["output.weight"]
+    name = TOP_TENSORS["output.weight"]
     if head.shape != embedding.shape or not torch.equal(
         head.to(device=embedding.device, dtype=embedding.dtype), embedding
     ):
