@@ -435,8 +435,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["info"])  # doctest: +SKIP
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return _run_bench(argv[1:])
+    if argv and argv[0] == "bench":  # its own parser; --debug is ours
+        rest = [arg for arg in argv[1:] if arg != "--debug"]
+        try:
+            return _run_bench(rest)
+        except KeyboardInterrupt:
+            print("attn: interrupted", file=sys.stderr)
+            return 130
+        except Exception as error:
+            if "--debug" in argv:
+                raise
+            print(f"attn bench: {first_line(error)} (--debug shows the traceback)", file=sys.stderr)
+            return 1
     if argv and argv[0] == "lm-eval":
         return _run_lm_eval(argv[1:])
     parser = build_parser()

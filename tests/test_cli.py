@@ -419,6 +419,16 @@ def test_an_unforeseen_failure_is_one_line_too(
         cli.main(["generate", str(checkpoint), "Hi", "--debug"])
 
 
+def test_a_bench_failure_is_one_line_too(capsys: pytest.CaptureFixture) -> None:
+    argv = ["bench", "--config", '{"vocab_size": 64}', "--no-memory"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("attn bench: TypeError: ") and err.endswith("(--debug shows the traceback)\n"), err
+    assert err.count("\n") == 1
+    with pytest.raises(TypeError):
+        cli.main([*argv, "--debug"])
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
