@@ -364,14 +364,15 @@ class TransformerDecoder(nn.Module):
         run = self._parity_logits if self.parity else self._logits
         if cache is None or torch.compiler.is_compiling():  # nothing to undo, or traced code
             return run(tokens, input_pos, mask, use_cache, last_only)
-        return self._all_layers_or_none(run, cache, tokens, input_pos, mask, use_cache, last_only)
+        return self.all_layers_or_none(run, tokens, input_pos, mask, use_cache, last_only)
 
-    def _all_layers_or_none(self, run: Callable[..., torch.Tensor], cache: KVCache, *args: object) -> torch.Tensor:
+    def all_layers_or_none(self, run: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
         """``run(*args)``, a pass that writes every layer's cache in turn; if it fails partway
         (out of memory, an interrupt, a hook), the layers it wrote are rewound to the fill they
         all had before, so no layer keeps the failed pass's tokens (the slots past a fill are
-        always zero: a rewind restores them bit for bit). Eager code only."""
-        fill = cache.cache_pos.clone()  # a copy on the device, no host read
+        always zero: a rewind restores them bit for bit). Called from eager code: the forward,
+        and ``attn.compile_for_decode``'s step around its compiled call."""
+        fill = self.layers[0].attn.kv_cache.cache_pos.clone()  # a copy on the device, no host read
         try:
             return run(*args)
         except BaseException:

@@ -535,8 +535,9 @@ class DecodeCompiled(nn.Module):
             self._follow_cache_length(kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
+        step = functools.partial(self._step, tokens, use_cache=use_cache, checked=True, **kwargs)
         with compat.compile_regions(), _step_options(limit):
-            return self._step(tokens, use_cache=use_cache, checked=True, **kwargs)
+            return self.model.all_layers_or_none(step) if use_cache else step()
 
 
 def compile_for_decode(

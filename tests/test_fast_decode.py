@@ -415,3 +415,23 @@ def test_save_pretrained_takes_the_compiled_wrapper(tmp_path: Path) -> None:
     loaded = attn.load_pretrained(tmp_path)
     for (name, ours), (_, theirs) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+def test_a_step_that_fails_after_writing_some_layers_leaves_every_layer_as_it_was() -> None:
+    """A compiled step cannot roll back what it wrote; the eager wrapper around it does."""
+    model = tiny_model(24)
+    model.setup_caches(2, 16)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    before = cache_state(model)
+    fast = compile_for_decode(model)
+
+    def half_a_step(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        cache = model.layers[0].attn.kv_cache
+        cache.update(*[torch.ones(2, cache.num_kv_heads, 1, cache.head_dim)] * 2)
+        raise RuntimeError("out of memory in layer 1, say")
+
+    object.__setattr__(fast, "_step", half_a_step)
+    with attn.cached_inference(model), pytest.raises(RuntimeError, match="out of memory in layer 1"):
+        fast(torch.tensor([[7], [8]]))
+    assert_cache_unchanged(model, before)
