@@ -12,6 +12,7 @@ mode's difference is exactly 0.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attn
+from attn.bench.rl import SMOLLM2_135M
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 
@@ -45,10 +47,7 @@ def main() -> int:
         print("no CUDA device: nothing to check")
         return 2
     torch.manual_seed(0)
-    config = attn.DecoderConfig(
-        vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9, num_kv_heads=3, hidden_dim=1536,
-        max_seq_len=512, rope_base=100_000.0, tie_embeddings=True,
-    )  # fmt: skip
+    config = dataclasses.replace(SMOLLM2_135M, max_seq_len=512)
     model = attn.TransformerDecoder(config).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         for parameter in model.parameters():
