@@ -30,6 +30,7 @@ from attn.bench.contenders import (
     llama_cpp_available,
     transformers_available,
 )
+from attn.bench.rl import SMOLLM2_135M as SMOLLM2
 from attn.bench.run import BenchSpec, run_benchmark
 from attn.policy import CachePolicy
 from attn.rope import RopeScaling
@@ -171,18 +172,6 @@ def test_json_has_every_field(result_json: dict) -> None:
         assert rows["hf-static"]["vs_hf_static"] == pytest.approx(1.0)
 
 
-SMOLLM2 = attn.DecoderConfig(
-    vocab_size=49152,
-    embed_dim=576,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    hidden_dim=1536,
-    max_seq_len=2048,
-    tie_embeddings=True,
-)
-
-
 def test_flops_of_a_step_counted_by_hand() -> None:
     matrices = 576 * 576 * 2 + 2 * 192 * 576 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
     attention = 2 * 9 * 64 * 192 * 2  # 9 heads of 64: scores over 192 keys, then the weighted sum
@@ -215,16 +204,7 @@ def test_matmul_peak_is_a_positive_rate_with_its_best_sample() -> None:
 
 def test_probe_reads_at_least_what_a_step_reads() -> None:
     # A SmolLM2-135M-shaped model: 30 layers, tied 49,152 x 576 embedding, 9/3 heads of 64.
-    config = attn.DecoderConfig(
-        vocab_size=49152,
-        embed_dim=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        hidden_dim=1536,
-        max_seq_len=2048,
-        tie_embeddings=True,
-    )
+    config = SMOLLM2
     layer = 576 * 576 * 2 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576  # q, o; k, v; gate, up, down; two norms
     weights = (30 * layer + 576 + 49152 * 576 + 576) * 4  # layers, final norm, head, one embedding row; fp32
     kv = 2 * 30 * 3 * 64 * (128 + 64) * 4  # keys and values of the mean context (prompt 128, half of 128 new)

@@ -83,24 +83,14 @@ def check_targets(result: BenchResult, targets: Targets) -> list[str]:
 
 def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Targets) -> list[str]:
     out = []
-    wanted = targets.share_of_limit.get(info.dtype)
-    if wanted is not None and subject.fraction_of_limit is not None:
-        out.append(
-            _verdict(
-                f"{subject.fraction_of_limit:.0%} of the memory-bound limit",
-                f">= {wanted:.0%}",
-                subject.fraction_of_limit >= wanted,
-            )
-        )
-    wanted = targets.share_of_roofline.get(info.dtype)
-    if wanted is not None and subject.fraction_of_roofline is not None:
-        out.append(
-            _verdict(
-                f"{subject.fraction_of_roofline:.0%} of the roofline ({info.bound}-bound)",
-                f">= {wanted:.0%}",
-                subject.fraction_of_roofline >= wanted,
-            )
-        )
+    shares = (
+        (targets.share_of_limit, subject.fraction_of_limit, "the memory-bound limit"),
+        (targets.share_of_roofline, subject.fraction_of_roofline, f"the roofline ({info.bound}-bound)"),
+    )
+    for wanted_by_dtype, share, of_what in shares:
+        wanted = wanted_by_dtype.get(info.dtype)
+        if wanted is not None and share is not None:
+            out.append(_verdict(f"{share:.0%} of {of_what}", f">= {wanted:.0%}", share >= wanted))
     speed = subject.decode_tokens_per_s.median if subject.decode_tokens_per_s else None
     for name in targets.faster_than:
         peer = rows.get(name)
