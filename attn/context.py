@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from attn.attention import MultiHeadAttention
+from attn.kv_cache import CacheState
 from attn.policy import generation_fallback, warn_generation_fallback
 from attn.swap import swapped_attribute
 from attn.threads import holding
@@ -29,17 +29,19 @@ __all__ = [
 ]
 
 
-def _attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not layers:
+def _cache_states(model: nn.Module) -> list[CacheState]:
+    """The ``CacheState`` of every attn model in ``model``: one for a ``TransformerDecoder``
+    (its layers share it), one per attention layer used on its own."""
+    states = [m for m in model.modules() if isinstance(m, CacheState)]
+    if not states:
         raise ValueError(f"{type(model).__name__} has no attn.MultiHeadAttention layers to set a cache mode on")
-    return layers
+    return states
 
 
 def cache_holder(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """The current thread holds ``model``'s caches for the block (``attn.threads``): what
     ``attn.generate`` does around its cache operations and passes."""
-    return holding(_attention_layers(model))
+    return holding(_cache_states(model))
 
 
 @contextmanager
@@ -57,13 +59,13 @@ def kv_cache_mode(model: nn.Module, mode: bool = True) -> Iterator[nn.Module]:
     """
     if not isinstance(mode, bool):
         raise ValueError(f"kv_cache_mode mode must be True or False, got {mode!r}")
-    layers = _attention_layers(model)
-    if mode and any(layer.kv_cache is None for layer in layers):
+    states = _cache_states(model)
+    if mode and not all(state.caches for state in states):
         raise RuntimeError(
             "kv_cache_mode(model, True) needs caches: call model.setup_caches(batch_size, "
             "max_seq_len) first, or use attn.local_kv_cache(model, ...)"
         )
-    with holding(layers), swapped_attribute(layers, "cache_mode", mode):
+    with holding(states), swapped_attribute(states, "mode", mode):
         yield model
 
 
@@ -137,7 +139,7 @@ def local_kv_cache(
     Raises:
         RuntimeError: the model already has caches (they would be lost on exit).
     """
-    with holding(_attention_layers(model)):
+    with holding(_cache_states(model)):
         if model.caches_are_setup():
             raise RuntimeError(
                 "local_kv_cache: the model already has caches set up and would lose them on exit; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn import compat
-from attn.attention import MultiHeadAttention, check_cached_pass, check_pass_inputs, default_pos_and_mask
+from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, is_number
-from attn.kv_cache import KVCache
+from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.parity import ParityKernels
+from attn.plan import PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
@@ -114,7 +116,7 @@ class FeedForward(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: DecoderConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: DecoderConfig, rope: RotaryEmbedding, cache_state: CacheState) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.attn = MultiHeadAttention(
@@ -128,15 +130,15 @@ class DecoderLayer(nn.Module):
             out_bias=config.out_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None,
             sliding_window=config.sliding_window,
+            cache_state=cache_state,
         )
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.mlp = FeedForward(config.embed_dim, config.hidden_dim)
 
     @compat.compile_region  # attn.compile_for_decode compiles one layer for all of them
-    def forward(
-        self, x: torch.Tensor, *, input_pos: torch.Tensor, mask: torch.Tensor | None, use_cache: bool
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), input_pos=input_pos, mask=mask, use_cache=use_cache)
+    def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
+        """``x`` (b, s, e) -> (b, s, e), computed as ``plan`` says (``attn.plan``)."""
+        x = x + self.attn.compute(self.attn_norm(x), plan)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -159,8 +161,9 @@ class TransformerDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.embed_dim)
-        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, rope) for _ in range(config.num_layers))
+        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base, config.rope_scaling)
+        self.cache_state = CacheState()  # the fill, flag and holder of every layer's cache
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rope, self.cache_state) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.embed_dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
@@ -194,7 +197,7 @@ class TransformerDecoder(nn.Module):
                 f"({self.config.max_seq_len}, the positions its RoPE table covers); use at most "
                 f"{self.config.max_seq_len} or build the model with a larger DecoderConfig.max_seq_len"
             )
-        check_holder(self.layers[0].attn)
+        check_holder(self.cache_state)
         weight = self.tok_embeddings.weight
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(
@@ -204,21 +207,21 @@ class TransformerDecoder(nn.Module):
         layers = self._attention()
         dtype, device = dtype or weight.dtype, device or weight.device
         caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]  # allocate all,
-        for attention, cache in zip(layers, caches, strict=True):  # then replace: no layer is left half set up
-            attention.take_cache(cache)
+        self.cache_state.attach(caches)  # then replace: no layer is left half set up
+        for attention, cache in zip(layers, caches, strict=True):
+            attention.kv_cache = cache
 
     def caches_are_setup(self) -> bool:
         """Do the layers have KV-caches?"""
-        return self.layers[0].attn.kv_cache is not None
+        return bool(self.cache_state.caches)
 
     def caches_are_enabled(self) -> bool:
         """Would a forward pass started now, in the current grad/inference mode and flags, use the cache?
 
         Returns ``False`` for a grad-enabled pass with the flag on: that pass raises.
         """
-        first = self.layers[0].attn
         try:
-            return uses_cache(first.kv_cache, first.cache_mode, 1, warn=False)
+            return uses_cache(self.cache_state, 1, warn=False)
         except RuntimeError:
             return False
 
@@ -232,38 +235,33 @@ class TransformerDecoder(nn.Module):
         Raises:
             RuntimeError: the flag is on and grad is enabled.
         """
-        first = self.layers[0].attn
-        return uses_cache(first.kv_cache, first.cache_mode, num_tokens)
+        return uses_cache(self.cache_state, num_tokens)
 
     def check_cache_capacity(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None = None) -> int | None:
         """Raises, before anything is written, if ``num_tokens`` more tokens per row do not
         fit the caches or the slots ``mask`` covers, or ``batch_size`` rows do not match them
         (one host read, eager only). Returns the slots a default mask covers then
         (``attn.attended_slots`` of the fill after the pass); ``None`` under ``torch.compile``."""
-        cache = self._caches_or_raise()[0]
-        check_pass_inputs(None, mask, batch_size, num_tokens, cache)
-        return check_cached_pass(cache, batch_size, num_tokens, mask)
+        state = self._state_or_raise()
+        check_pass_inputs(None, mask, batch_size, num_tokens, state)
+        return check_cached_pass(state, batch_size, num_tokens, mask)
 
     def reset_caches(self) -> None:
         """Empties every cache (keeps them set up); works in and out of inference mode."""
-        for cache in self._caches_or_raise():
-            cache.reset()
+        self._state_or_raise().reset()
 
     def rewind_caches(self, fill: int | torch.Tensor) -> None:
         """Crops every cache to its first ``fill`` tokens, as if the model had never run past
-        them (``KVCache.rewind``): roll back a rejected draft, or score another continuation
+        them (``CacheState.rewind``): roll back a rejected draft, or score another continuation
         of a prefilled context. Checked once, before any layer changes."""
-        caches = self._caches_or_raise()
-        caches[0].rewind(fill)  # every layer holds the same fill
-        for cache in caches[1:]:
-            cache.rewind(fill, checked=True)
+        self._state_or_raise().rewind(fill)
 
     def select_caches(self, rows: Sequence[int] | torch.Tensor) -> None:
-        """Keeps the cache rows ``rows`` in every layer (``KVCache.select``): drop finished
+        """Keeps the cache rows ``rows`` in every layer (``CacheState.keep_rows``): drop finished
         rows, reorder them, or copy one prompt's rows. Checked once, and every layer's new
         buffers allocated, before any layer changes."""
-        caches = self._caches_or_raise()
-        self._keep_rows(caches, caches[0].row_index(rows))  # every layer holds the same rows
+        state = self._state_or_raise()
+        state.keep_rows(state.row_index(rows))
 
     def fork_caches(self, num_copies: int) -> None:
         """Repeats every cache row ``num_copies`` times in place, row i becoming rows
@@ -271,38 +269,35 @@ class TransformerDecoder(nn.Module):
         ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does). Every
         layer's new buffers are allocated before any layer changes."""
         check_positive_int(num_copies, "num_copies")
-        caches = self._caches_or_raise()
-        rows = torch.arange(caches[0].batch_size, device=caches[0].k_cache.device).repeat_interleave(num_copies)
-        self._keep_rows(caches, rows)
+        state = self._state_or_raise()
+        state.keep_rows(torch.arange(state.batch_size, device=state.fill.device).repeat_interleave(num_copies))
 
-    @staticmethod
-    def _keep_rows(caches: list[KVCache], rows: torch.Tensor) -> None:
-        """Every layer's new buffers are allocated before any layer takes its own: running out
-        of memory halfway leaves every layer as it was."""
-        buffers = [cache.gather(rows) for cache in caches]
-        for cache, (k, v) in zip(caches, buffers, strict=True):
-            cache.keep(k, v)
-
-    def _caches_or_raise(self) -> list[KVCache]:
-        check_holder(self.layers[0].attn)
+    def _state_or_raise(self) -> CacheState:
+        check_holder(self.cache_state)
         if not self.caches_are_setup():
             raise RuntimeError("caches are not set up: call setup_caches() first")
-        return self.kv_caches()
+        return self.cache_state
 
     def teardown_caches(self) -> None:
         """Removes the caches; forward passes run plain causal attention afterwards."""
-        check_holder(self.layers[0].attn)
+        check_holder(self.cache_state)
+        self.cache_state.detach()
         for attention in self._attention():
-            attention.teardown_cache()
+            attention.kv_cache = None
 
     def kv_caches(self) -> list[KVCache]:
         """The layers' caches, in order (empty when none are set up)."""
-        return [a.kv_cache for a in self._attention() if a.kv_cache is not None]
+        return list(self.cache_state.caches)
 
     def first_kv_cache(self) -> KVCache | None:
-        """The first layer's cache, or ``None``: every layer's has the same batch size and
-        length. For a per-step read: ``kv_caches()`` walks every layer (0.15-0.3 ms at 30)."""
-        return self.layers[0].attn.kv_cache
+        """Deprecated: the model's batch size, length and fill are ``cache_state``'s."""
+        warnings.warn(
+            "TransformerDecoder.first_kv_cache() is deprecated: read model.cache_state (batch_size, "
+            "max_seq_len, size) or model.kv_caches()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.cache_state.caches[0] if self.cache_state.caches else None
 
     # -- forward -----------------------------------------------------------------------
 
@@ -345,39 +340,51 @@ class TransformerDecoder(nn.Module):
             raise TypeError(f"last_only must be a bool, got {last_only!r}")
         self.check_tokens(tokens, checked=checked)
         b, s = tokens.shape
-        first = self.layers[0].attn
+        state = self.cache_state
         if not torch.compiler.is_compiling():  # eager code only: no graph can guard a thread
-            check_holder(first)
+            check_holder(state)
         if use_cache is None:  # attn.policy.uses_cache, its inference-mode test in this frame
-            use_cache = explicit_decision(first.kv_cache, first.cache_mode)
+            use_cache = explicit_decision(state)
             if use_cache is None:
-                use_cache = inference_mode_decides(first.kv_cache, s, torch.compiler.is_compiling())
+                use_cache = inference_mode_decides(state, s, torch.compiler.is_compiling())
         elif use_cache and torch.is_grad_enabled():
             raise RuntimeError(
                 "use_cache=True in a grad-enabled forward pass: the cache must never hold autograd "
                 "history; pass use_cache=model.uses_cache(s), which is False under grad"
             )
-        cache = first.kv_cache if use_cache else None
-        check_pass_inputs(input_pos, mask, b, s, cache)
-        span = check_cached_pass(cache, b, s, mask) if cache is not None and not checked else None  # before any write
-        input_pos, mask = default_pos_and_mask(cache, s, tokens.device, input_pos, mask, span=span)  # window: per layer
+        plan = plan_pass(
+            state,
+            use_cache,
+            b,
+            s,
+            self.rope,
+            input_pos=input_pos,
+            mask=mask,
+            window=self.config.sliding_window,
+            checked=checked,
+        )  # checks before any write
         run = self._parity_logits if self.parity else self._logits
-        if cache is None or torch.compiler.is_compiling():  # nothing to undo, or traced code
-            return run(tokens, input_pos, mask, use_cache, last_only)
-        return self.all_layers_or_none(run, tokens, input_pos, mask, use_cache, last_only)
+        if plan.slots is None:
+            return run(tokens, plan, last_only)
+        if torch.compiler.is_compiling():  # traced code cannot undo
+            return self._advance(run(tokens, plan, last_only), s)
+        return self.all_layers_or_none(lambda: self._advance(run(tokens, plan, last_only), s))
 
-    def all_layers_or_none(self, run: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-        """``run(*args)``, a pass that writes every layer's cache in turn; if it fails partway
-        (out of memory, an interrupt, a hook), the layers it wrote are rewound to the fill they
-        all had before, so no layer keeps the failed pass's tokens (the slots past a fill are
+    def _advance(self, logits: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        self.cache_state.advance(num_tokens)  # once, after every layer wrote its slots
+        return logits
+
+    def all_layers_or_none(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run()``, a pass that writes every layer's cache in turn; if it fails partway (out
+        of memory, an interrupt, a hook), the layers it wrote are rewound to the fill they all
+        had before, so no layer keeps the failed pass's tokens (the slots past a fill are
         always zero: a rewind restores them bit for bit). Called from eager code: the forward,
         and ``attn.compile_for_decode``'s step around its compiled call."""
-        fill = self.layers[0].attn.kv_cache.cache_pos.clone()  # a copy on the device, no host read
+        fill = self.cache_state.fill.clone()  # a copy on the device, no host read
         try:
-            return run(*args)
+            return run()
         except BaseException:
-            for layer_cache in self.kv_caches():
-                layer_cache.rewind(fill)
+            self.cache_state.restore(fill)
             raise
 
     @torch.compiler.disable  # inductor would fuse and reorder what parity mode keeps in order
@@ -390,12 +397,10 @@ class TransformerDecoder(nn.Module):
         default ones. Every forward, and ``attn.completion_logprobs``, runs inside it."""
         return ParityKernels() if self.parity else contextlib.nullcontext()
 
-    def _logits(
-        self, tokens: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor | None, use_cache: bool, last_only: bool
-    ) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # (b, s, e)
         for layer in self.layers:
-            h = layer(h, input_pos=input_pos, mask=mask, use_cache=use_cache)
+            h = layer(h, plan)
         if last_only:
             h = h[:, -1:]  # (b, 1, e)
         h = self.norm(h)

@@ -69,9 +69,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn import compat
-from attn.attention import default_pos_and_mask
 from attn.checks import is_int
-from attn.kv_cache import KVCache
+from attn.kv_cache import CacheState
+from attn.plan import positions_and_mask
 from attn.threads import check_holder
 
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
@@ -341,18 +341,21 @@ def _vector_bits(rewritten: list[tuple[int, torch.dtype]], requested: int | None
     return None
 
 
-def _mark_cache_length_dynamic(caches: list[KVCache] | None, mask: torch.Tensor | None) -> None:
+def _mark_cache_length_dynamic(state: CacheState | None, mask: torch.Tensor | None) -> None:
     """Tells dynamo that the cache length (L) varies, so that one graph serves every length.
 
-    The key/value buffers' slot dim (``caches``: pass them when they are new; the mark stays
-    on a buffer) and ``mask``'s last dim (pass it where it has one entry per slot) become symbols;
+    The key/value buffers' slot dim and the state's slot ids (``state``: pass it when its
+    caches are new; the mark stays on a buffer) and ``mask``'s last dim (pass it where it has
+    one entry per slot) become symbols;
     every other size stays static (the linears are rewritten for a fixed number of rows).
     ``maybe_mark_dynamic``: where a model's code needs one fixed length after all, dynamo
     specializes rather than fails (a test counts the graphs).
     """
-    for cache in caches or ():
-        for buffer in (cache.k_cache, cache.v_cache):
-            torch._dynamo.maybe_mark_dynamic(buffer, 2)
+    if state is not None:
+        torch._dynamo.maybe_mark_dynamic(state.slot_ids, 0)
+        for cache in state.caches:
+            for buffer in (cache.k_cache, cache.v_cache):
+                torch._dynamo.maybe_mark_dynamic(buffer, 2)
     if mask is not None:
         torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
 
@@ -495,18 +498,20 @@ class DecodeCompiled(nn.Module):
         cached step runs with the lengths marked dynamic: the buffers when they are new
         (``setup_caches``, a fork), a mask each step (a fresh tensor); 30 layers' buffers
         marked every step would cost about 0.3 ms."""
-        first = self.model.first_kv_cache()
-        lengths = (first.max_seq_len, first.max_seq_len if mask is None else mask.shape[-1])  # (L, attended)
+        state = self.model.cache_state
+        capacity = state.max_seq_len
+        lengths = (capacity, capacity if mask is None else mask.shape[-1])  # (L, attended)
         if self._first_cache_lengths is None:
             self._first_cache_lengths = lengths
         elif lengths != self._first_cache_lengths:
             self.stats.dynamic_cache_length = True
         if not self.stats.dynamic_cache_length:
             return
-        fresh = self._marked_buffer is None or self._marked_buffer() is not first.k_cache
+        buffer = state.caches[0].k_cache  # new after a setup, a select or a fork
+        fresh = self._marked_buffer is None or self._marked_buffer() is not buffer
         if fresh:
-            self._marked_buffer = weakref.ref(first.k_cache)
-        _mark_cache_length_dynamic(self.model.kv_caches() if fresh else None, mask)
+            self._marked_buffer = weakref.ref(buffer)
+        _mark_cache_length_dynamic(state if fresh else None, mask)
 
     def forward(
         self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
@@ -520,16 +525,16 @@ class DecodeCompiled(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
         _refuse_parity_mode(self.model)
-        check_holder(self.model.layers[0].attn)  # eager: the compiled step cannot tell threads apart
+        check_holder(self.model.cache_state)  # eager: the compiled step cannot tell threads apart
         self.model.check_tokens(tokens, checked=checked)  # the eager error, not one from inside the step
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
         if use_cache and not checked:  # before anything is written
             span = self.model.check_cache_capacity(tokens.shape[0], 1, kwargs.get("mask"))
             if kwargs.get("mask") is None:  # the eager model's default, over the span it read: not every slot
-                cache = self.model.first_kv_cache()
-                kwargs["input_pos"], kwargs["mask"] = default_pos_and_mask(
-                    cache, 1, tokens.device, kwargs.get("input_pos"), None, span=span
+                state = self.model.cache_state
+                kwargs["input_pos"], kwargs["mask"] = positions_and_mask(
+                    state, state.query_slots(1), 1, tokens.device, kwargs.get("input_pos"), None, span=span
                 )
         if use_cache:
             self._follow_cache_length(kwargs.get("mask"))

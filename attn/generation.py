@@ -231,7 +231,7 @@ def generate(
                     "prompts or ask for fewer tokens"
                 )
         else:
-            cache = model.kv_caches()[0]
+            cache = model.cache_state
             if cache.batch_size != rows or total > cache.max_seq_len:
                 raise ValueError(
                     f"generate: {b} prompts x {num_samples} samples of up to {P} prompt tokens plus max_new_tokens "
@@ -248,7 +248,7 @@ def generate(
                     model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
             steps = _decode(
                 model,
-                attended_slots(total, model.kv_caches()[0].max_seq_len),
+                attended_slots(total, model.cache_state.max_seq_len),
                 prompt_tokens,
                 prompt_mask,
                 max_new_tokens,
@@ -286,7 +286,7 @@ def generate(
 def _restore_rows(model: nn.Module, rows: int) -> None:
     """Leaves the caller's caches as generate found them set up (``rows`` rows), empty: a
     failed or interrupted generate never leaves them at the prefill's row count."""
-    filled_rows = model.kv_caches()[0].batch_size
+    filled_rows = model.cache_state.batch_size
     if filled_rows != rows:
         model.fork_caches(rows // filled_rows)  # the prefill ran on one row a prompt
     model.reset_caches()

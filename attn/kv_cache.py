@@ -1,12 +1,18 @@
-"""A static, preallocated key/value cache for one attention layer.
+"""Static, preallocated key/value caches: one model's shared state, and each layer's buffers.
 
 Shapes: b = batch, h_kv = kv heads, s = new tokens, L = max_seq_len, d = head dim.
 
-The buffers have a fixed shape and the fill position lives in a 0-dim tensor, so a decode
-step looks the same to ``torch.compile`` at every position and compiles once. A pass may
-attend over the first slots only (``update(span=...)``): eager passes over the filled slots
-rounded up (``attended_slots``), ``attn.generate`` over as many as its generation needs.
-Buffers are ``persistent=False``: a ``state_dict`` never carries a cache.
+A model's caches share everything but their buffers, and ``CacheState`` holds it once: the
+fill position (a 0-dim tensor, so a decode step looks the same to ``torch.compile`` at every
+position and compiles once), the batch size, the explicit flag, the thread holding the
+caches, and the scoring trap's memory (``chunk_end``). Every layer's ``KVCache`` holds its
+key/value buffers and writes the slots the pass plan gives it (``attn.plan``); the model
+advances the fill once per pass. A ``KVCache`` built on its own gets a state of its own and
+keeps the whole API (``update``, ``rewind``, ``select``, ``reset``) for use outside a model.
+
+A pass may attend over the first slots only: eager passes over the filled slots rounded up
+(``attended_slots``), ``attn.generate`` over as many as its generation needs. Buffers are
+``persistent=False``: a ``state_dict`` never carries a cache.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from torch import nn
 
 from attn.checks import check_positive_int, is_int
 
-__all__ = ["KVCache", "attended_slots"]
+__all__ = ["CacheState", "KVCache", "attended_slots"]
 
 SLOT_STEP = 64
 """Cache lengths (``attn.generate``'s own caches) and attended spans come in multiples of this
@@ -32,77 +38,98 @@ def attended_slots(needed: int, capacity: int) -> int:
     return min(capacity, -(-needed // SLOT_STEP) * SLOT_STEP)
 
 
-class KVCache(nn.Module):
-    """Keys and values of the tokens seen so far, written in place at the fill position.
+def _torn_down() -> RuntimeError:
+    return RuntimeError(
+        "this KVCache was torn down (teardown_caches()); call setup_caches() to make a "
+        "new one instead of keeping a reference to the old one"
+    )
 
-    Args:
-        batch_size: rows the cache holds; every update must have exactly this many.
-        num_kv_heads: key/value heads (h_kv).
-        max_seq_len: capacity in tokens (L).
-        head_dim: size of each head (d).
-        dtype: dtype of the key/value buffers.
-        device: where the buffers live.
 
-    Example::
+class CacheState(nn.Module):
+    """What one model's KV-caches share, owned once: by a ``TransformerDecoder`` for all its
+    layers, or by an attention layer or a ``KVCache`` used on its own.
 
-        cache = KVCache(batch_size=2, num_kv_heads=4, max_seq_len=128, head_dim=64)
-        k_all, v_all = cache.update(k, v)  # k, v: (2, 4, s, 64); k_all: (2, 4, 128, 64)
+    Attributes:
+        mode: the explicit flag: ``None`` (decide by the pass), ``True`` (on), ``False``
+            (never use the cache). Set it with ``attn.kv_cache_mode``, not by hand.
+        holder: the thread inside a block that holds the caches (``attn.threads``), or None.
+        caches: the layers' caches, in order; empty until caches are set up.
+        batch_size: rows every cached pass must have (0 without caches).
+        chunk_end: the fill a prefill chunk under plain inference mode left, while the next
+            chunk may continue it; ``None`` once anything else wrote or moved the cache
+            (``attn.policy.inference_mode_decides``).
+        fill: tokens written so far, a 0-dim long tensor (``size`` reads it).
+        slot_ids: ``arange(L)``; its length is the capacity, read from a shape so that a
+            compiled step with that dim marked dynamic serves every cache length.
     """
 
-    def __init__(
-        self,
-        batch_size: int,
-        num_kv_heads: int,
-        max_seq_len: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        for name, value in (
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("max_seq_len", max_seq_len),
-            ("head_dim", head_dim),
-        ):
-            check_positive_int(value, f"KVCache {name}")
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.torn_down = False
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        # Cache buffers are normal tensors even when created under inference mode: an
-        # inference-tensor buffer could not be reset outside inference mode.
-        with torch.inference_mode(False):
-            self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.mode: bool | None = None
+        self.holder: int | None = None
+        self.caches: list[KVCache] = []
+        self.batch_size = 0
         self.chunk_end: int | None = None
-        """The fill a prefill chunk under plain inference mode left, while the next chunk may
-        continue it; ``None`` once anything else wrote or moved the cache (``attn.policy``)."""
+        self.register_buffer("fill", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("slot_ids", torch.zeros(0, dtype=torch.long), persistent=False)
 
-    @property
-    def batch_size(self) -> int:
-        """Rows the cache holds (b): the buffers' first dim."""
-        return self.k_cache.shape[0]
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # A model built on the meta device gets its buffers by to_empty (attn.load_pretrained):
+        # without caches, the fill must still read 0.
+        super()._apply(fn, recurse)
+        if not self.caches:
+            with torch.inference_mode(False):
+                self.fill = torch.zeros((), dtype=torch.long, device=self.fill.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"layers={len(self.caches)}, batch_size={self.batch_size}, max_seq_len={self.max_seq_len}"
 
     @property
     def max_seq_len(self) -> int:
-        """Capacity in tokens (L): the buffers' third dim. Read from the shape, not kept as a
-        number of its own, so a compiled step that marks that dim dynamic
-        (``attn.compile_for_decode``) serves caches of every length with one graph."""
-        return self.k_cache.shape[2]
+        """Capacity in tokens (L); 0 without caches."""
+        return self.slot_ids.shape[0]
 
     @property
     def size(self) -> int:
         """Tokens written so far (eager only: reads the fill position tensor)."""
-        return int(self.cache_pos.item())
+        return int(self.fill.item())
 
-    def extra_repr(self) -> str:
-        return (
-            f"batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
-            f"max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, dtype={self.k_cache.dtype}"
-        )
+    def attach(self, caches: list[KVCache]) -> None:
+        """Makes ``caches`` (one per layer, same batch, length and device, fresh and empty) the
+        model's, tearing down the old ones (cannot fail once the tensors below exist)."""
+        first = caches[0]
+        device = first.k_cache.device
+        with torch.inference_mode(False):  # normal tensors, as the buffers: reset works in any mode
+            fill = torch.zeros((), dtype=torch.long, device=device)
+            slot_ids = torch.arange(first.max_seq_len, device=device)
+        self.detach()
+        self.fill, self.slot_ids = fill, slot_ids
+        self.caches = list(caches)
+        self.batch_size = first.batch_size
+
+    def detach(self) -> None:
+        """Drops the caches; a reference kept elsewhere refuses further use."""
+        for cache in self.caches:
+            cache.torn_down = True
+        self.caches = []
+        self.batch_size = 0
+        self.chunk_end = None
+        self.slot_ids = self.slot_ids[:0]
+        self.fill.zero_()
+
+    # -- checks, before anything is written ----------------------------------------------
+
+    def check_rows(self, batch_size: int) -> None:
+        """Raises unless caches are set up and hold ``batch_size`` rows."""
+        if not self.caches:
+            raise _torn_down()
+        if batch_size != self.batch_size:
+            raise ValueError(
+                f"batch size {batch_size} does not match the KV-cache batch size "
+                f"{self.batch_size}: call setup_caches(batch_size={batch_size}, ...) or pass "
+                f"exactly {self.batch_size} rows"
+            )
 
     def check_update(self, batch_size: int, seq_len: int, span: int | None = None) -> int | None:
         """Raises, before anything is written, if ``seq_len`` new tokens would not fit, or
@@ -111,12 +138,12 @@ class KVCache(nn.Module):
         The shape checks are static and cost nothing under ``torch.compile``. The capacity
         check reads the fill position (one host sync), so it runs in eager code only;
         compiled code relies on the caller (``attn.generate`` checks the whole generation
-        up front) and on ``update``'s all-or-nothing write.
+        up front) and on the all-or-nothing write (``write_slots``).
 
         Returns:
             The fill it read, or ``None`` under ``torch.compile``, where it reads nothing.
         """
-        self._check_rows(batch_size)
+        self.check_rows(batch_size)
         if torch.compiler.is_compiling():
             return None
         if span is not None and not (is_int(span) and 1 <= span <= self.max_seq_len):
@@ -136,76 +163,35 @@ class KVCache(nn.Module):
             )
         return filled
 
-    def _check_rows(self, batch_size: int) -> None:
-        if self.torn_down:
-            raise RuntimeError(
-                "this KVCache was torn down (teardown_caches()); call setup_caches() to make a "
-                "new one instead of keeping a reference to the old one"
-            )
-        if batch_size != self.batch_size:
-            raise ValueError(
-                f"batch size {batch_size} does not match the KV-cache batch size "
-                f"{self.batch_size}: call setup_caches(batch_size={batch_size}, ...) or pass "
-                f"exactly {self.batch_size} rows"
-            )
+    # -- a pass's write ------------------------------------------------------------------
 
-    def update(
-        self, k: torch.Tensor, v: torch.Tensor, *, checked: bool = False, span: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes ``k`` and ``v`` at the fill position and advances it.
+    def query_slots(self, seq_len: int) -> torch.Tensor:
+        """The slots a pass of ``seq_len`` tokens writes: ``fill .. fill + seq_len - 1``, (s,)."""
+        return self.fill + torch.arange(seq_len, device=self.fill.device)
 
-        Args:
-            k: new keys, (b, h_kv, s, d).
-            v: new values, (b, h_kv, s, d).
-            checked: the caller ran ``check_update(b, s)`` for this write already (the
-                decoder does, once per forward for all its layers); skips the capacity
-                read, a host sync.
-            span: the slots the caller attends over (default: all L); they must hold the
-                new tokens, which eager code checks.
+    def write_slots(self, query_slots: torch.Tensor) -> torch.Tensor:
+        """``query_slots`` (s,) as the layers write them: all or nothing. A write's own bounds
+        check runs element by element as it stores, so the slots that fit would be written
+        before an overflowing one fails (compiled code cannot raise the capacity error); if
+        any slot is past the end, every slot is sent there and the first store fails."""
+        return torch.where(query_slots[-1] < self.max_seq_len, query_slots, self.max_seq_len)
 
-        Returns:
-            The key and value buffers' first ``span`` slots, each (b, h_kv, span, d), views;
-            slots at or past the new fill position hold stale data and must be masked.
-        """
-        b, h_kv, s, d = k.shape
-        if k.shape != v.shape or (h_kv, d) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"KVCache.update expects k and v of shape (b, {self.num_kv_heads}, s, "
-                f"{self.head_dim}), got k {tuple(k.shape)} and v {tuple(v.shape)}"
-            )
-        if checked:
-            self._check_rows(b)
-        else:
-            self.check_update(b, s, span)
-        slots = self.cache_pos + torch.arange(s, device=k.device)  # (s,)
-        # All or nothing, where no capacity error was raised (compiled code cannot raise one):
-        # the write's own bounds check refuses an overflow, but it runs element by element as
-        # it stores, so the slots that fit would be written first. If any slot is past the
-        # end, send every slot there: the first store fails.
-        slots = torch.where(slots[-1] < self.max_seq_len, slots, self.max_seq_len)  # (s,)
-        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
-        self.cache_pos.add_(s)
-        # Compiled code always takes the views: a span == L test there would be one more guard.
-        if span is None or (not torch.compiler.is_compiling() and span == self.max_seq_len):
-            return self.k_cache, self.v_cache
-        return self.k_cache.narrow(2, 0, span), self.v_cache.narrow(2, 0, span)
+    def advance(self, seq_len: int) -> None:
+        """Moves the fill past a pass's ``seq_len`` tokens, once all layers wrote them."""
+        self.fill.add_(seq_len)
 
-    def rewind(self, fill: int | torch.Tensor, *, checked: bool = False) -> None:
-        """Crops the cache to its first ``fill`` tokens, as if it had never gone past them.
+    # -- moving the fill and the rows ----------------------------------------------------
 
-        The slots from ``fill`` on are zeroed, so the cache equals one that was only ever
-        filled to ``fill``. The fill position is data, not a shape: a compiled forward
-        after a rewind does not recompile. Pass ``fill`` as a 0-dim tensor to keep a
-        compiled caller from specializing on its value; eager code checks it (one host read).
+    def rewind(self, fill: int | torch.Tensor) -> None:
+        """Crops every cache to its first ``fill`` tokens, as if it had never gone past them.
 
-        Args:
-            fill: tokens to keep, in ``[0, size]``.
-            checked: the caller checked ``fill`` against a cache of the same fill already (the
-                decoder does, once for all its layers); skips the host read.
+        The slots from ``fill`` on are zeroed, so each cache equals one that was only ever
+        filled to ``fill``. The fill position is data, not a shape: a compiled forward after
+        a rewind does not recompile. Eager code checks ``fill`` (one host read), once for
+        every layer, before any changes.
 
         Raises:
-            ValueError: ``fill`` is not an integer in ``[0, size]``; the cache is unchanged.
+            ValueError: ``fill`` is not an integer in ``[0, size]``; nothing is changed.
         """
         if isinstance(fill, torch.Tensor):
             if fill.dim() != 0 or fill.dtype.is_floating_point or fill.dtype == torch.bool:
@@ -214,41 +200,31 @@ class KVCache(nn.Module):
                 )
         elif not is_int(fill):
             raise ValueError(f"rewind takes an int or a 0-dim integer tensor, got {fill!r}")
-        self._check_rows(self.batch_size)
-        if not checked and not torch.compiler.is_compiling():
+        self.check_rows(self.batch_size)
+        if not torch.compiler.is_compiling():
             filled, wanted = self.size, int(fill)
             if not 0 <= wanted <= filled:
                 raise ValueError(
                     f"cannot rewind to {wanted}: the cache holds {filled} tokens, so a rewind goes to "
                     f"0..{filled} (reset_caches() empties it)"
                 )
-        kept = torch.arange(self.max_seq_len, device=self.k_cache.device) < fill  # (L,)
-        self.k_cache.masked_fill_(~kept[:, None], 0)
-        self.v_cache.masked_fill_(~kept[:, None], 0)
-        self.cache_pos.fill_(fill)
+        self.restore(fill)
+
+    def restore(self, fill: int | torch.Tensor) -> None:
+        """``rewind`` without its checks: zero every cache's slots from ``fill`` on and set the
+        fill there. A failed pass restores the fill it copied before it wrote (cannot fail)."""
+        kept = self.slot_ids < fill  # (L,)
+        for cache in self.caches:
+            cache.k_cache.masked_fill_(~kept[:, None], 0)
+            cache.v_cache.masked_fill_(~kept[:, None], 0)
+        self.fill.fill_(fill)
         self.chunk_end = None
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> None:
-        """Keeps the cache rows ``rows``, in that order: a row may appear many times (a
-        fork) or not at all. The batch size becomes ``len(rows)``.
-
-        The buffers are replaced (their shape changes with the batch), so a compiled
-        forward sees a new batch size: one compile per batch size, as for any input.
-
-        Args:
-            rows: 1-D row indices in ``[0, batch_size)``.
-
-        Raises:
-            ValueError: ``rows`` is empty, not 1-D integers, or out of range; the cache is
-                unchanged.
-        """
-        self.keep(*self.gather(self.row_index(rows)))
-
     def row_index(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """``rows`` checked against this cache's batch size (one host read), as a long index
-        on its device; raises as ``select`` does. A decoder checks once for every layer."""
-        self._check_rows(self.batch_size)
-        index = torch.as_tensor(rows, device=self.k_cache.device)
+        """``rows`` checked against the batch size (one host read), as a long index on the
+        caches' device."""
+        self.check_rows(self.batch_size)
+        index = torch.as_tensor(rows, device=self.fill.device)
         if index.dim() != 1 or index.numel() == 0 or index.dtype.is_floating_point or index.dtype == torch.bool:
             raise ValueError(f"rows must be a non-empty 1-D sequence of row indices, got {rows!r}")
         low, high = (int(v) for v in torch.stack((index.min(), index.max())).tolist())
@@ -258,21 +234,175 @@ class KVCache(nn.Module):
             )
         return index.long()
 
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value buffers ``select(index)`` keeps, as new tensors, the cache
-        unchanged: a multi-layer operation gathers every layer's before it keeps any
-        (``keep``), so that running out of memory halfway changes no layer."""
-        with torch.inference_mode(False):  # fresh buffers are normal tensors, as in __init__
-            return self.k_cache[index], self.v_cache[index]
-
-    def keep(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Takes buffers from ``gather`` as the cache's own (cannot fail)."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keeps the rows ``index`` (from ``row_index``) in every cache, in that order. Every
+        layer's new buffers are allocated before any layer takes its own: running out of
+        memory halfway leaves every layer as it was. The batch size becomes ``len(index)``."""
+        buffers = [cache.gather(index) for cache in self.caches]
+        for cache, (k, v) in zip(self.caches, buffers, strict=True):
+            cache.k_cache, cache.v_cache = k, v
+        self.batch_size = index.shape[0]
         self.chunk_end = None
 
     def reset(self) -> None:
-        """Empties the cache (zeroes the buffers and the fill position), in or out of inference mode."""
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-        self.cache_pos.zero_()
+        """Empties every cache (zeroes the buffers and the fill), in or out of inference mode."""
+        self.check_rows(self.batch_size)
+        for cache in self.caches:
+            cache.k_cache.zero_()
+            cache.v_cache.zero_()
+        self.fill.zero_()
         self.chunk_end = None
+
+
+class KVCache(nn.Module):
+    """One layer's keys and values, written in place at the slots a pass plan gives.
+
+    Args:
+        batch_size: rows the cache holds; every update must have exactly this many.
+        num_kv_heads: key/value heads (h_kv).
+        max_seq_len: capacity in tokens (L).
+        head_dim: size of each head (d).
+        dtype: dtype of the key/value buffers.
+        device: where the buffers live.
+        state: the model's ``CacheState`` this cache joins (``TransformerDecoder.setup_caches``
+            passes it); ``None`` builds one of its own, for a cache used alone.
+
+    Example::
+
+        cache = KVCache(batch_size=2, num_kv_heads=4, max_seq_len=128, head_dim=64)
+        k_all, v_all = cache.update(k, v)  # k, v: (2, 4, s, 64); k_all: (2, 4, 128, 64)
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        state: CacheState | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_seq_len", max_seq_len),
+            ("head_dim", head_dim),
+        ):
+            check_positive_int(value, f"KVCache {name}")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.torn_down = False
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        # Cache buffers are normal tensors even when created under inference mode: an
+        # inference-tensor buffer could not be reset outside inference mode.
+        with torch.inference_mode(False):
+            self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if state is None:  # a cache on its own: the model is this one cache
+            state = CacheState()
+            state.attach([self])
+        self.state = state
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds (b): the buffers' first dim."""
+        return self.k_cache.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Capacity in tokens (L): the buffers' third dim."""
+        return self.k_cache.shape[2]
+
+    @property
+    def cache_pos(self) -> torch.Tensor:
+        """The fill position its model's caches share (``CacheState.fill``), a 0-dim tensor."""
+        return self.state.fill
+
+    @property
+    def size(self) -> int:
+        """Tokens written so far (eager only: reads the fill position tensor)."""
+        return self.state.size
+
+    def extra_repr(self) -> str:
+        return (
+            f"batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+            f"max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, dtype={self.k_cache.dtype}"
+        )
+
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes ``k`` and ``v`` (b, h_kv, s, d) at ``slots`` (s,), from the pass plan, and
+        returns the buffers' first ``span`` slots, each (b, h_kv, span, d), views: the slots
+        at or past the new fill hold stale data and must be masked. Moves no fill."""
+        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        # Compiled code always takes the views: a span == L test there would be one more guard.
+        if not torch.compiler.is_compiling() and span == self.max_seq_len:
+            return self.k_cache, self.v_cache
+        return self.k_cache.narrow(2, 0, span), self.v_cache.narrow(2, 0, span)
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers' rows ``index``, as new tensors; the cache unchanged
+        (``CacheState.keep_rows`` gathers every layer's before any layer takes its own)."""
+        with torch.inference_mode(False):  # fresh buffers are normal tensors, as at setup
+            return self.k_cache[index], self.v_cache[index]
+
+    # -- a cache used on its own: its state's operations -----------------------------------
+
+    def live_state(self) -> CacheState:
+        """Its model's state; raises if this cache was torn down (its model may hold new ones)."""
+        if self.torn_down:
+            raise _torn_down()
+        return self.state
+
+    def check_update(self, batch_size: int, seq_len: int, span: int | None = None) -> int | None:
+        """``CacheState.check_update`` of its model's state."""
+        return self.live_state().check_update(batch_size, seq_len, span)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, *, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes ``k`` and ``v`` (b, h_kv, s, d) at the fill position and advances it: the
+        whole pass of a cache used alone (in a model, the layers ``write`` and the model
+        advances the fill once).
+
+        Args:
+            span: the slots the caller attends over (default: all L); they must hold the
+                new tokens, which eager code checks.
+
+        Returns:
+            The key and value buffers' first ``span`` slots, as ``write`` returns them.
+        """
+        b, h_kv, s, d = k.shape
+        state = self.live_state()
+        if k.shape != v.shape or (h_kv, d) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"KVCache.update expects k and v of shape (b, {self.num_kv_heads}, s, "
+                f"{self.head_dim}), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            )
+        state.check_update(b, s, span)
+        slots = state.write_slots(state.query_slots(s))
+        out = self.write(slots, k, v, self.max_seq_len if span is None else span)
+        state.advance(s)
+        return out
+
+    def rewind(self, fill: int | torch.Tensor) -> None:
+        """Crops its model's caches to their first ``fill`` tokens (``CacheState.rewind``)."""
+        self.live_state().rewind(fill)
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> None:
+        """Keeps the rows ``rows`` of its model's caches, in that order: a row may appear many
+        times (a fork) or not at all (``CacheState.keep_rows``). A compiled forward sees a new
+        batch size: one compile per batch size, as for any input.
+
+        Raises:
+            ValueError: ``rows`` is empty, not 1-D integers, or out of range; nothing changes.
+        """
+        state = self.live_state()
+        state.keep_rows(state.row_index(rows))
+
+    def reset(self) -> None:
+        """Empties its model's caches, in or out of inference mode."""
+        self.live_state().reset()

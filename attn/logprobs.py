@@ -129,12 +129,16 @@ def _shared_prefix_hidden(
     completion_mask = _slot_mask(
         keys_valid, completion_slots, torch.arange(P + N, device=device), window
     )  # (R, N, P + N)
+    prompt_rotation = model.rope.rotation(prompt_pos)  # (2, B, 1, P, d), once for every layer
+    completion_rotation = model.rope.rotation(completion_pos)  # (2, R, 1, N, d)
     prompt_h = model.tok_embeddings(prompt_tokens)  # (B, P, e)
     completion_h = model.tok_embeddings(completion_tokens)  # (R, N, e)
     for layer in model.layers:
         attention = layer.attn
-        q_p, k_p, v_p = attention.project(layer.attn_norm(prompt_h), prompt_pos)  # (B, h, P, d), (B, h_kv, P, d) x2
-        q_c, k_c, v_c = attention.project(layer.attn_norm(completion_h), completion_pos)  # (R, h, N, d), ...
+        q_p, k_p, v_p = attention.project(
+            layer.attn_norm(prompt_h), prompt_rotation
+        )  # (B, h, P, d), (B, h_kv, P, d) x2
+        q_c, k_c, v_c = attention.project(layer.attn_norm(completion_h), completion_rotation)  # (R, h, N, d), ...
         k = torch.cat((k_p.repeat_interleave(rows_per_prompt, 0), k_c), dim=2)  # (R, h_kv, P + N, d)
         v = torch.cat((v_p.repeat_interleave(rows_per_prompt, 0), v_c), dim=2)  # (R, h_kv, P + N, d)
         prompt_h = prompt_h + attention.attend(q_p, k_p, v_p, prompt_mask, prompt_h.dtype)

@@ -48,7 +48,7 @@ from attn.compat import (
     release_support,
     torch_version,
 )
-from attn.kv_cache import KVCache
+from attn.kv_cache import CacheState
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -292,21 +292,21 @@ def policy_report() -> str:
 # -- the decision, per forward --------------------------------------------------------------
 
 
-def uses_cache(cache: KVCache | None, flag: bool | None, num_tokens: int, *, warn: bool = True) -> bool:
-    """Will a pass of ``num_tokens`` new tokens per row, run now, use ``cache``?
+def uses_cache(state: CacheState, num_tokens: int, *, warn: bool = True) -> bool:
+    """Will a pass of ``num_tokens`` new tokens per row, run now, use the caches of ``state``?
 
-    The whole rule, for eager callers. A forward that may be compiled makes the same
-    decision in two calls, so that the inference-mode test is a graph break of its own frame
-    (one per forward) rather than of a nested call (one per frame on the way)::
+    The whole rule, for eager callers. ``TransformerDecoder.forward``, which may be compiled,
+    makes the same decision in two calls, so that the inference-mode test is a graph break of
+    its own frame (one per forward) rather than of a nested call (one per frame on the way)::
 
-        use_cache = explicit_decision(cache, flag)
+        use_cache = explicit_decision(state)
         if use_cache is None:
-            use_cache = inference_mode_decides(cache, num_tokens, torch.compiler.is_compiling())
+            use_cache = inference_mode_decides(state, num_tokens, torch.compiler.is_compiling())
 
     Args:
-        cache: the cache the pass would use; ``None`` when caches are not set up.
-        flag: the explicit flag: ``None`` (decide by the pass), ``True`` (on), ``False``
-            (off: never use the cache).
+        state: the model's ``CacheState``: its caches (none until set up) and its explicit
+            flag, ``mode``: ``None`` (decide by the pass), ``True`` (on), ``False`` (off:
+            never use the cache).
         num_tokens: tokens per row the pass brings (to warn about scoring onto a cache that
             a decode loop left filled).
         warn: ``False`` to ask about a pass without running one (no warnings).
@@ -314,16 +314,17 @@ def uses_cache(cache: KVCache | None, flag: bool | None, num_tokens: int, *, war
     Raises:
         RuntimeError: the flag is on and grad is enabled.
     """
-    decision = explicit_decision(cache, flag, warn=warn)
+    decision = explicit_decision(state, warn=warn)
     if decision is None:
-        decision = inference_mode_decides(cache, num_tokens if warn else 1, False)
+        decision = inference_mode_decides(state, num_tokens if warn else 1, False)
     return decision
 
 
-def explicit_decision(cache: KVCache | None, flag: bool | None, *, warn: bool = True) -> bool | None:
+def explicit_decision(state: CacheState, *, warn: bool = True) -> bool | None:
     """Rules 1-3 and the flag: ``True``/``False`` where they decide, ``None`` where inference
     mode does. Traceable: reads only Python state and the grad mode, which dynamo guards."""
-    if cache is None or flag is False:
+    flag = state.mode
+    if not state.caches or flag is False:
         return False
     grad_enabled = torch.is_grad_enabled()
     if flag:
@@ -348,7 +349,7 @@ def explicit_decision(cache: KVCache | None, flag: bool | None, *, warn: bool = 
     "attn tests torch.inference_mode() in eager code to decide whether this pass uses the KV-cache; "
     f"{compat.FIX}; score inside attn.disable_kv_cache(model), or set ATTN_CACHE_POLICY=flag"
 )
-def inference_mode_decides(cache: KVCache, num_tokens: int, compiled: bool) -> bool:
+def inference_mode_decides(state: CacheState, num_tokens: int, compiled: bool) -> bool:
     """Rule 4's second half: is inference mode on? Always runs in eager code; ``compiled``
     says a compiled forward called it (pass ``torch.compiler.is_compiling()``).
 
@@ -357,7 +358,7 @@ def inference_mode_decides(cache: KVCache, num_tokens: int, compiled: bool) -> b
     prefill in chunks wants and what scoring after a generation does by mistake. The rule:
     such a pass continues a prefill, and does not warn, only if the cache's latest write
     was itself a pass of several tokens under plain inference mode and nothing moved the
-    cache since (its fill is where that pass left it, ``KVCache.chunk_end``). After a decode
+    cache since (its fill is where that pass left it, ``CacheState.chunk_end``). After a decode
     step, a pass under the flag (``attn.generate``, however few tokens it made, and
     ``attn.cached_inference``), a rewind, a select or a fork, it warns once per process. A
     decode step (one token) and a pass onto an empty cache never warn. Two plain passes of
@@ -368,8 +369,8 @@ def inference_mode_decides(cache: KVCache, num_tokens: int, compiled: bool) -> b
         warn_compiled_inference_decision()
     enabled = torch.is_inference_mode_enabled()
     if enabled and num_tokens > 1:
-        filled = cache.size  # one host read, in multi-token passes only (never in a decode step)
-        if filled and filled != cache.chunk_end:
+        filled = state.size  # one host read, in multi-token passes only (never in a decode step)
+        if filled and filled != state.chunk_end:
             warn_inference_mode_onto_filled_cache(filled, num_tokens)
-        cache.chunk_end = filled + num_tokens
+        state.chunk_end = filled + num_tokens
     return enabled

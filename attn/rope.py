@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["RopeScaling", "RotaryEmbedding", "inverse_frequencies"]
+__all__ = ["RopeScaling", "RotaryEmbedding", "inverse_frequencies", "rotate"]
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,23 @@ class RotaryEmbedding(nn.Module):
         scaling = "" if self.scaling is None else f", scaling={self.scaling}"
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, base={self.base}{scaling}"
 
+    def rotation(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cosines and sines at ``positions``, (s,) or (b, s), gathered once per pass for
+        every layer (``attn.plan``), stacked in one tensor (a compiled layer region takes no
+        two views of one tensor): (2, s, d), or (2, b, 1, s, d) to broadcast over heads."""
+        rotation = self.cos_sin[:, positions]  # (2, s, d) or (2, b, s, d)
+        return rotation.unsqueeze(2) if positions.dim() == 2 else rotation
+
     def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Rotates ``x`` (b, h, s, d) at positions ``input_pos``, (s,) or (b, s)."""
-        cos, sin = self.cos_sin[:, input_pos]  # each (s, d) or (b, s, d)
-        if input_pos.dim() == 2:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (b, 1, s, d)
-        x32 = x.float()
-        x1, x2 = x32.chunk(2, dim=-1)  # each (b, h, s, d/2)
-        rotated = torch.cat((-x2, x1), dim=-1)  # (b, h, s, d)
-        return (x32 * cos + rotated * sin).to(x.dtype)
+        return rotate(x, self.rotation(input_pos))
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x`` (b, h, s, d) by ``rotation`` from ``RotaryEmbedding.rotation``, in fp32,
+    and casts back to ``x``'s dtype."""
+    cos, sin = rotation[0], rotation[1]  # each (s, d) or (b, 1, s, d)
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)  # each (b, h, s, d/2)
+    rotated = torch.cat((-x2, x1), dim=-1)  # (b, h, s, d)
+    return (x32 * cos + rotated * sin).to(x.dtype)

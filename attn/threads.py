@@ -29,13 +29,13 @@ _LOCK = threading.Lock()  # one claim at a time: two threads cannot both find a 
 
 
 class _Held(Protocol):
-    cache_holder: int | None
+    holder: int | None
 
 
 @torch.compiler.disable  # eager only: where dynamo falls back to a frame's eager run, not traced either
-def check_holder(layer: _Held) -> None:
-    """Raises if another thread holds the model ``layer`` belongs to."""
-    holder = layer.cache_holder
+def check_holder(state: _Held) -> None:
+    """Raises if another thread holds the model whose ``CacheState`` is ``state``."""
+    holder = state.holder
     if holder is not None and holder != threading.get_ident():
         raise RuntimeError(
             f"this model's KV-caches and cache flag are in use by another thread (thread id {holder}, inside "
@@ -46,17 +46,18 @@ def check_holder(layer: _Held) -> None:
 
 
 @contextmanager
-def holding(layers: Sequence[_Held]) -> Iterator[None]:
-    """Makes the current thread the holder of ``layers``' model for the block (nests in one
-    thread); raises, changing nothing, if another thread holds it."""
+def holding(states: Sequence[_Held]) -> Iterator[None]:
+    """Makes the current thread the holder of the models whose ``CacheState``s are ``states``
+    for the block (nests in one thread); raises, changing nothing, if another thread holds one."""
     me = threading.get_ident()
     with _LOCK:
-        check_holder(layers[0])
-        previous = [layer.cache_holder for layer in layers]
-        for layer in layers:
-            layer.cache_holder = me
+        for state in states:
+            check_holder(state)
+        previous = [state.holder for state in states]
+        for state in states:
+            state.holder = me
     try:
         yield
     finally:
-        for layer, before in zip(layers, previous, strict=True):
-            layer.cache_holder = before
+        for state, before in zip(states, previous, strict=True):
+            state.holder = before

@@ -13,7 +13,7 @@ from .conftest import assert_cache_unchanged, cache_state, tiny_model
 
 
 def modes(model: attn.TransformerDecoder) -> set:
-    return {layer.attn.cache_mode for layer in model.layers}
+    return {layer.attn.cache_state.mode for layer in model.layers}
 
 
 def test_kv_cache_mode_sets_and_restores() -> None:

@@ -424,15 +424,20 @@ def test_cache_operations_check_once_for_every_layer(monkeypatch: pytest.MonkeyP
     assert all(int(c.size) == 3 for c in model.kv_caches())
 
 
-def test_first_kv_cache_is_the_first_layers_or_none() -> None:
+def test_every_layer_shares_the_models_cache_state() -> None:
     model = tiny_model(6)
-    assert model.first_kv_cache() is None
+    states = {id(layer.attn.cache_state) for layer in model.layers}
+    assert states == {id(model.cache_state)}
     model.setup_caches(2, 8)
-    assert model.first_kv_cache() is model.kv_caches()[0]
-    model.fork_caches(2)  # new buffers, same cache object
-    assert model.first_kv_cache() is model.kv_caches()[0] and model.first_kv_cache().batch_size == 4
+    assert all(cache.state is model.cache_state for cache in model.kv_caches())
+    assert [m for m in model.modules() if isinstance(m, attn.kv_cache.CacheState)] == [model.cache_state]
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert model.cache_state.size == 3  # advanced once for the pass, not once per layer
+    model.fork_caches(2)  # new buffers, same state
+    assert model.cache_state.batch_size == 4 and all(c.batch_size == 4 for c in model.kv_caches())
     model.teardown_caches()
-    assert model.first_kv_cache() is None
+    assert model.kv_caches() == [] and not model.caches_are_setup()
 
 
 @pytest.mark.parametrize(
@@ -527,3 +532,12 @@ def test_a_pass_that_fails_in_a_later_layer_leaves_every_layer_as_it_was(
     with torch.no_grad():
         expected = model(torch.cat((prompt, step), 1))[:, prompt_len:]
     torch.testing.assert_close(continued, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_first_kv_cache_is_deprecated_for_cache_state() -> None:
+    model = tiny_model(6)
+    with pytest.warns(DeprecationWarning, match=r"read model.cache_state"):
+        assert model.first_kv_cache() is None
+    model.setup_caches(2, 8)
+    with pytest.warns(DeprecationWarning):
+        assert model.first_kv_cache() is model.kv_caches()[0]

@@ -109,7 +109,7 @@ def test_bad_sizes(field: str, value: object) -> None:
 def test_buffers_are_never_in_state_dict() -> None:
     cache = KVCache(1, 2, 8, 4)
     assert cache.state_dict() == {}
-    assert {name for name, _ in cache.named_buffers()} == {"k_cache", "v_cache", "cache_pos"}
+    assert {name for name, _ in cache.named_buffers()} == {"k_cache", "v_cache", "state.fill", "state.slot_ids"}
 
 
 def test_created_in_inference_mode_is_normal_and_resettable_anywhere() -> None:
@@ -243,7 +243,8 @@ def test_an_unchecked_overflowing_write_changes_no_slot(filled: int, extra: int)
         cache.update(*_kv(1, 2, filled, 4))
     before = _state(cache)
     k, v = _kv(1, 2, capacity - filled + extra, 4, seed=5)  # one slot too many at least
+    slots = cache.state.write_slots(cache.state.query_slots(k.shape[2]))  # the plan's slots, unchecked
     with pytest.raises((IndexError, RuntimeError)):
-        cache.update(k, v, checked=True)  # checked: the capacity read is skipped, as when compiled
+        cache.write(slots, k, v, span=capacity)
     for a, b in zip(_state(cache), before, strict=True):
         assert torch.equal(a, b)

@@ -265,7 +265,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def flags_and_modes_are_restored(self) -> None:
-        assert {layer.attn.cache_mode for layer in self.model.layers} == {None}
+        assert {layer.attn.cache_state.mode for layer in self.model.layers} == {None}
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 

@@ -23,7 +23,7 @@ def _percent(share: float) -> str:
 
 def header(options: DemoOptions, decision: PolicyDecision, model: TransformerDecoder, task: AdditionTask) -> str:
     config = model.config
-    cache = model.kv_caches()[0]
+    cache = model.cache_state
     mode = f"torch.compile(backend={options.backend!r})" if options.compile else "eager"
     parameters = sum(p.numel() for p in model.parameters())
     example = task.text(task.eval_problems[0])

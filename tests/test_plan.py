@@ -1,0 +1,102 @@
+"""attn/plan.py: one plan per forward, checked against a naive restatement; layers only compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attn
+from attn.kv_cache import CacheState, KVCache
+from attn.plan import plan_pass
+from attn.rope import RotaryEmbedding
+from tests.conftest import tiny_model
+
+
+def _state(batch: int, capacity: int, filled: int) -> CacheState:
+    cache = KVCache(batch, 1, capacity, 2)
+    if filled:
+        cache.update(torch.ones(batch, 1, filled, 2), torch.ones(batch, 1, filled, 2))
+    return cache.state
+
+
+def _naive_mask(query_slots: list[int], n: int, window: int | None) -> torch.Tensor:
+    """(s, n): query slot q sees key slot j iff j <= q (and j > q - window)."""
+    rows = [[j <= q and (window is None or j > q - window) for j in range(n)] for q in query_slots]
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+@given(
+    batch=st.integers(1, 3),
+    capacity=st.integers(1, 40),
+    data=st.data(),
+    window=st.none() | st.integers(1, 12),
+    per_row_positions=st.booleans(),
+)
+def test_a_cached_plan_is_the_naive_one(
+    batch: int, capacity: int, data: st.DataObject, window: int | None, per_row_positions: bool
+) -> None:
+    filled = data.draw(st.integers(0, capacity - 1), label="filled")
+    s = data.draw(st.integers(1, capacity - filled), label="s")
+    state = _state(batch, capacity, filled)
+    rope = RotaryEmbedding(4, capacity)
+    positions = None
+    if per_row_positions:
+        positions = torch.tensor([[data.draw(st.integers(0, capacity - 1)) for _ in range(s)] for _ in range(batch)])
+    plan = plan_pass(state, True, batch, s, rope, input_pos=positions, mask=None, window=window)
+    query_slots = list(range(filled, filled + s))
+    span = plan.mask.shape[-1]
+    assert span == attn.attended_slots(filled + s, capacity)  # eager: the filled slots rounded up
+    assert torch.equal(plan.mask, _naive_mask(query_slots, span, window))
+    assert plan.slots.tolist() == query_slots
+    table = rope.cos_sin  # (2, L, d)
+    if positions is None:
+        assert torch.equal(plan.rotation, table[:, query_slots])
+    else:
+        assert torch.equal(plan.rotation, table[:, positions].unsqueeze(2))  # (2, b, 1, s, d)
+
+
+@given(s=st.integers(1, 20), window=st.none() | st.integers(1, 12))
+def test_an_uncached_plan_is_causal_with_the_window_only_where_it_bites(s: int, window: int | None) -> None:
+    state = _state(1, 32, 5)
+    plan = plan_pass(state, False, 1, s, RotaryEmbedding(4, 32), input_pos=None, mask=None, window=window)
+    assert plan.slots is None
+    if window is None or s <= window:
+        assert plan.mask is None  # SDPA's causal kernel
+    else:
+        assert torch.equal(plan.mask, _naive_mask(list(range(s)), s, window))
+    assert torch.equal(plan.rotation, RotaryEmbedding(4, 32).cos_sin[:, :s])
+
+
+def test_a_plan_over_the_capacity_is_refused_before_any_write() -> None:
+    state = _state(1, 8, 6)
+    before = (state.fill.clone(), state.caches[0].k_cache.clone())
+    with pytest.raises(RuntimeError, match=r"holds 6 tokens, 3 more do not fit in its capacity of 8"):
+        plan_pass(state, True, 1, 3, RotaryEmbedding(4, 8), input_pos=None, mask=None, window=None)
+    assert torch.equal(state.fill, before[0]) and torch.equal(state.caches[0].k_cache, before[1])
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_forward_plans_once_and_every_layer_computes_that_plan(monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
+    model = tiny_model(4, num_layers=5)
+    model.setup_caches(2, 16)
+    rotations, plans = [], []
+    original_rotation, original_compute = RotaryEmbedding.rotation, attn.MultiHeadAttention.compute
+
+    def count_rotation(self: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
+        rotations.append(positions)
+        return original_rotation(self, positions)
+
+    def record_plan(self: attn.MultiHeadAttention, x: torch.Tensor, plan: object) -> torch.Tensor:
+        plans.append(plan)
+        return original_compute(self, x, plan)
+
+    monkeypatch.setattr(RotaryEmbedding, "rotation", count_rotation)
+    monkeypatch.setattr(attn.MultiHeadAttention, "compute", record_plan)
+    with torch.inference_mode() if cached else torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert len(rotations) == 1  # one RoPE gather per forward, not one or two per layer
+    assert len(plans) == 5 and all(plan is plans[0] for plan in plans)
+    assert (plans[0].slots is not None) == cached
+    assert model.cache_state.size == (3 if cached else 0)
