@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attn.casts import cast
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.plan import PassPlan, plan_pass
 from attn.policy import uses_cache
-from attn.rope import RotaryEmbedding, rotate
+from attn.rope import RotaryEmbedding, rotate_by
 from attn.threads import check_holder
 
 __all__ = ["MultiHeadAttention"]
@@ -193,7 +194,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(x, plan.rotation)
         if plan.slots is not None and plan.mask is not None:  # a cached pass always has a mask
             k, v = self.kv_cache.write(plan.slots, k, v, span=plan.mask.shape[-1])  # each (b, h_kv, L, d)
-            q = q.to(k.dtype)
+            q = cast(q, k.dtype)
         return self.attend(q, k, v, plan.mask, x.dtype)
 
     def project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,7 +207,8 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, s, d), (b, h_kv, s, d)
-        return rotate(q, rotation), rotate(k, rotation), v
+        cos, signed_sin = rotation[0], rotation[1]  # each (s, d) or (b, 1, s, d)
+        return rotate_by(q, cos, signed_sin), rotate_by(k, cos, signed_sin), v
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
@@ -221,4 +223,4 @@ class MultiHeadAttention(nn.Module):
             attn_mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, h * d)
-        return self.o_proj(out.to(dtype))
+        return self.o_proj(cast(out, dtype))

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from attn.casts import cast
 from attn.checks import check_positive_int, is_int
 
 __all__ = ["CacheState", "KVCache", "attended_slots"]
@@ -338,8 +339,8 @@ class KVCache(nn.Module):
         """Writes ``k`` and ``v`` (b, h_kv, s, d) at ``slots`` (s,), from the pass plan, and
         returns the buffers' first ``span`` slots, each (b, h_kv, span, d), views: the slots
         at or past the new fill hold stale data and must be masked. Moves no fill."""
-        self.k_cache.index_copy_(2, slots, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, slots, v.to(self.v_cache.dtype))
+        self.k_cache.index_copy_(2, slots, cast(k, self.k_cache.dtype))
+        self.v_cache.index_copy_(2, slots, cast(v, self.v_cache.dtype))
         # Compiled code always takes the views: a span == L test there would be one more guard.
         if not torch.compiler.is_compiling() and span == self.max_seq_len:
             return self.k_cache, self.v_cache

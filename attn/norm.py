@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attn.casts import cast
+
 __all__ = ["RMSNorm"]
 
 
@@ -26,6 +28,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., n) -> (..., n), in ``x``'s dtype (promoted with the weight's)."""
-        x32 = x.float()
+        x32 = cast(x, torch.float32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * cast(normed, x.dtype)

@@ -81,7 +81,9 @@ def _angles_table(rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = inverse_frequencies(rope.head_dim, rope.base, rope.scaling)
     angles = torch.outer(torch.arange(rope.max_seq_len, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    sin[:, : rope.head_dim // 2] *= -1  # the table's sines are pre-signed (attn.rope.rotate)
+    return angles.cos(), sin
 
 
 @pytest.mark.parametrize(
@@ -96,3 +98,27 @@ def _angles_table(rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bad_scalings_name_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RopeScaling(**kwargs)
+
+
+@given(
+    head_dim=st.sampled_from([2, 8, 64]),
+    seq_len=st.integers(1, 6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    scaled=st.booleans(),
+)
+def test_rotation_equals_the_textbook_form_bit_for_bit(
+    head_dim: int, seq_len: int, dtype: torch.dtype, scaled: bool
+) -> None:
+    """``x * cos + cat(-x2, x1) * sin`` with the plain sines, written here, equals ``rotate``."""
+    scaling = RopeScaling("yarn", 4.0, original_max_seq_len=8) if scaled else None
+    rope = RotaryEmbedding(head_dim, 32, 1e4, scaling)
+    cos, sin = _angles_table(rope)
+    scale = 1.0 if scaling is None else scaling.attention_scale
+    cos, plain_sin = cos * scale, sin * scale
+    plain_sin[:, : head_dim // 2] *= -1  # back to the plain sines
+    x = torch.randn(2, 3, seq_len, head_dim).to(dtype)
+    positions = torch.arange(3, 3 + seq_len)
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    expected = (x32 * cos[positions] + torch.cat((-x2, x1), dim=-1) * plain_sin[positions]).to(dtype)
+    assert torch.equal(rope(x, positions), expected)
