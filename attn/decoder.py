@@ -367,11 +367,18 @@ class TransformerDecoder(nn.Module):
         if plan.slots is None:
             return run(tokens, plan, last_only)
         if torch.compiler.is_compiling():  # traced code cannot undo
-            return self._advance(run(tokens, plan, last_only), s)
-        return self.all_layers_or_none(lambda: self._advance(run(tokens, plan, last_only), s))
+            return self._cached_logits(run, tokens, plan, last_only)
+        return self.all_layers_or_none(lambda: self._cached_logits(run, tokens, plan, last_only))
 
-    def _advance(self, logits: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        self.cache_state.advance(num_tokens)  # once, after every layer wrote its slots
+    def _cached_logits(
+        self, run: Callable[..., torch.Tensor], tokens: torch.Tensor, plan: PassPlan, last_only: bool
+    ) -> torch.Tensor:
+        # The fill advances here, not in a call around run(...): where a graph breaks inside run
+        # (FSDP2's hooks on torch 2.7 and 2.8), a callable pushed before run's call stays on the
+        # stack across the break, dynamo guards it by identity, and a fresh bound method each
+        # call recompiled the rest of the forward every call (tests/test_distributed_compile.py).
+        logits = run(tokens, plan, last_only)
+        self.cache_state.advance(tokens.shape[1])  # once, after every layer wrote its slots
         return logits
 
     def all_layers_or_none(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:

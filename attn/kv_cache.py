@@ -55,13 +55,15 @@ class CacheState(nn.Module):
             (never use the cache). Set it with ``attn.kv_cache_mode``, not by hand.
         holder: the thread inside a block that holds the caches (``attn.threads``), or None.
         caches: the layers' caches, in order; empty until caches are set up.
-        batch_size: rows every cached pass must have (0 without caches).
         chunk_end: the fill a prefill chunk under plain inference mode left, while the next
             chunk may continue it; ``None`` once anything else wrote or moved the cache
             (``attn.policy.inference_mode_decides``).
         fill: tokens written so far, a 0-dim long tensor (``size`` reads it).
         slot_ids: ``arange(L)``; its length is the capacity, read from a shape so that a
             compiled step with that dim marked dynamic serves every cache length.
+        row_ids: ``arange(b)``; its length is the batch size, a shape for the same reason:
+            a compiled forward guards on it as on any input's size (a number kept on the
+            module would be guarded by value instead).
     """
 
     def __init__(self) -> None:
@@ -69,10 +71,10 @@ class CacheState(nn.Module):
         self.mode: bool | None = None
         self.holder: int | None = None
         self.caches: list[KVCache] = []
-        self.batch_size = 0
         self.chunk_end: int | None = None
         self.register_buffer("fill", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("slot_ids", torch.zeros(0, dtype=torch.long), persistent=False)
+        self.register_buffer("row_ids", torch.zeros(0, dtype=torch.long), persistent=False)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         # A model built on the meta device gets its buffers by to_empty (attn.load_pretrained):
@@ -92,6 +94,11 @@ class CacheState(nn.Module):
         return self.slot_ids.shape[0]
 
     @property
+    def batch_size(self) -> int:
+        """Rows every cached pass must have (b); 0 without caches."""
+        return self.row_ids.shape[0]
+
+    @property
     def size(self) -> int:
         """Tokens written so far (eager only: reads the fill position tensor)."""
         return int(self.fill.item())
@@ -104,19 +111,18 @@ class CacheState(nn.Module):
         with torch.inference_mode(False):  # normal tensors, as the buffers: reset works in any mode
             fill = torch.zeros((), dtype=torch.long, device=device)
             slot_ids = torch.arange(first.max_seq_len, device=device)
+            row_ids = torch.arange(first.batch_size, device=device)
         self.detach()
-        self.fill, self.slot_ids = fill, slot_ids
+        self.fill, self.slot_ids, self.row_ids = fill, slot_ids, row_ids
         self.caches = list(caches)
-        self.batch_size = first.batch_size
 
     def detach(self) -> None:
         """Drops the caches; a reference kept elsewhere refuses further use."""
         for cache in self.caches:
             cache.torn_down = True
         self.caches = []
-        self.batch_size = 0
         self.chunk_end = None
-        self.slot_ids = self.slot_ids[:0]
+        self.slot_ids, self.row_ids = self.slot_ids[:0], self.row_ids[:0]
         self.fill.zero_()
 
     # -- checks, before anything is written ----------------------------------------------
@@ -240,9 +246,11 @@ class CacheState(nn.Module):
         layer's new buffers are allocated before any layer takes its own: running out of
         memory halfway leaves every layer as it was. The batch size becomes ``len(index)``."""
         buffers = [cache.gather(index) for cache in self.caches]
+        with torch.inference_mode(False):
+            row_ids = torch.arange(index.shape[0], device=self.row_ids.device)
         for cache, (k, v) in zip(self.caches, buffers, strict=True):
             cache.k_cache, cache.v_cache = k, v
-        self.batch_size = index.shape[0]
+        self.row_ids = row_ids
         self.chunk_end = None
 
     def reset(self) -> None:

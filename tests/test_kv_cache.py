@@ -109,7 +109,13 @@ def test_bad_sizes(field: str, value: object) -> None:
 def test_buffers_are_never_in_state_dict() -> None:
     cache = KVCache(1, 2, 8, 4)
     assert cache.state_dict() == {}
-    assert {name for name, _ in cache.named_buffers()} == {"k_cache", "v_cache", "state.fill", "state.slot_ids"}
+    assert {name for name, _ in cache.named_buffers()} == {
+        "k_cache",
+        "v_cache",
+        "state.fill",
+        "state.slot_ids",
+        "state.row_ids",
+    }
 
 
 def test_created_in_inference_mode_is_normal_and_resettable_anywhere() -> None:
