@@ -10,8 +10,9 @@ whether the pass uses the cache and makes the pass plan (``attn.plan``), and eac
 the cache is plain causal attention and leaves the cache untouched.
 
 Checkpoint features, each switched by an argument: q/k/v and output biases (Qwen2, Llama's
-``attention_bias``), a per-head RMSNorm of queries and keys before RoPE (Qwen3), and a
-sliding window over slots (Mistral).
+``attention_bias``), a per-head RMSNorm of queries and keys before RoPE (Qwen3, Gemma 3), a
+sliding window over slots (Mistral, Gemma), a score scale other than ``d ** -0.5`` and
+soft-capped scores (Gemma 2).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from attn.policy import uses_cache
 from attn.rope import RotaryEmbedding, rotate_by
 from attn.threads import check_holder
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "softcapped_attention"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -49,6 +50,10 @@ class MultiHeadAttention(nn.Module):
             this epsilon, applied before RoPE; None: no q/k norm.
         sliding_window: a query attends to the ``sliding_window`` slots ending at its own
             at most; None: to every earlier slot.
+        scale: what q.k is multiplied by; None: ``head_dim ** -0.5``.
+        softcap: scores pass through ``softcap * tanh(score / softcap)`` before the mask
+            and softmax (Gemma 2's ``attn_logit_softcapping``); None: they do not.
+        unit_offset_norms: the q/k norms scale by ``1 + weight`` (Gemma: ``attn.norm``).
         cache_state: the model's ``CacheState`` to share (a decoder passes its own); None
             builds one for this layer alone.
 
@@ -75,6 +80,9 @@ class MultiHeadAttention(nn.Module):
         out_bias: bool = False,
         qk_norm_eps: float | None = None,
         sliding_window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        unit_offset_norms: bool = False,
         cache_state: CacheState | None = None,
     ) -> None:
         super().__init__()
@@ -93,12 +101,17 @@ class MultiHeadAttention(nn.Module):
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         self.sliding_window = sliding_window
+        self.scale = scale
+        self.softcap = softcap
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=out_bias)
-        self.q_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
-        self.k_norm = None if qk_norm_eps is None else RMSNorm(head_dim, qk_norm_eps)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset_norms)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset_norms)
         self.rope = RotaryEmbedding(head_dim, max_seq_len, rope_base) if rope is None else rope
         self.kv_cache: KVCache | None = None
         self.cache_state = CacheState() if cache_state is None else cache_state
@@ -217,10 +230,39 @@ class MultiHeadAttention(nn.Module):
         L) bool; None: causal, s == L), through the output projection: (b, s, e) in ``dtype``."""
         b, _, s, _ = q.shape
         gqa = self.num_heads != self.num_kv_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        attn_mask = None if mask is None else mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            attn_mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, h * d)
         return self.o_proj(cast(out, dtype))
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None, softcap: float
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped, ``softcap * tanh(q.k * scale / softcap)``, before
+    the mask and softmax (Gemma 2); SDPA has no such option. Computed as transformers' eager
+    Gemma 2 does: scores and cap in ``q``'s dtype, the softmax in fp32.
+
+    Args:
+        q: (b, h, s, d).
+        k, v: (b, h_kv, L, d), h a multiple of h_kv.
+        mask: bool, True where a query may attend, (b, 1, s, L) or (s, L); None: causal (s == L).
+        scale: None: ``d ** -0.5``.
+
+    Returns:
+        (b, h, s, d) in ``q``'s dtype.
+    """
+    s, L = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # each (b, h, L, d)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (b, h, s, L)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()  # (s, L)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v  # (b, h, s, d)

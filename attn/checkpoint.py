@@ -16,14 +16,19 @@ llama      LlamaForCausalLM      (``attention_bias``: q/k/v/o biases)
 mistral    MistralForCausalLM    ``sliding_window`` over slots
 qwen2      Qwen2ForCausalLM      q/k/v biases (Qwen2, Qwen2.5)
 qwen3      Qwen3ForCausalLM      per-head q/k RMSNorm, explicit ``head_dim``
+gemma2     Gemma2ForCausalLM     scaled embeddings, ``1 + w`` norms, GeGLU, norms after
+                                 attention and MLP, ``query_pre_attn_scalar``, soft-capped
+                                 scores and logits, a window on every other layer
+gemma3_text Gemma3ForCausalLM    Gemma 2's, with q/k norms, no soft-capping, a window on
+                                 5 layers in 6 and their own RoPE base
 =========  ====================  =====================================================
 
 RoPE: plain, ``linear``, ``llama3`` (Llama 3.1-3.3) and ``yarn`` scaling (Qwen2.5/Qwen3's long
 context: ``max_seq_len`` becomes at least ``factor`` times the original context); ``dynamic``
 runs as plain RoPE within the original context, to which it then caps ``max_seq_len``.
 Refused, with an error naming the option: ``longrope`` and other RoPE types, partial rotary, MLP biases,
-activations other than SiLU, per-layer sliding windows (Qwen's ``use_sliding_window``),
-quantized tensors.
+activations other than the family's (SiLU; Gemma's tanh GELU), per-layer sliding windows
+(Qwen's ``use_sliding_window``), Gemma 3's bidirectional attention, quantized tensors.
 
 Tensor names, Hugging Face -> attn (i = layer index; optional ones in brackets)::
 
@@ -36,6 +41,12 @@ Tensor names, Hugging Face -> attn (i = layer index; optional ones in brackets):
     model.layers.i.mlp.{gate,up,down}_proj.weight   layers.i.mlp.{gate,up,down}_proj.weight
     model.norm.weight                               norm.weight
     lm_head.weight                                  output.weight (absent when tied)
+
+Gemma 2 and 3 name the block's norms otherwise (``attn.families.GEMMA_LAYER_TENSORS``)::
+
+    model.layers.i.post_attention_layernorm.weight    layers.i.attn_out_norm.weight
+    model.layers.i.pre_feedforward_layernorm.weight   layers.i.mlp_norm.weight
+    model.layers.i.post_feedforward_layernorm.weight  layers.i.mlp_out_norm.weight
 
 Both layouts store linear weights as (out_features, in_features) and use rotate-half RoPE,
 so every tensor is copied as it is: no permutation.
@@ -104,7 +115,8 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = {family.model_type: family.architec
 # transformers itself does on load), so they are skipped, not reported as unexpected.
 _DERIVED_TENSOR = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _ROPE_THETA_DEFAULT = 10000.0  # transformers' default when a config names none
-_SUPPORTED_ACTIVATIONS = ("silu", "swish")  # one function under two names
+# DecoderConfig.activation -> how config.json may spell it ("silu" and "swish": one function)
+_ACTIVATION_SPELLINGS: Mapping[str, tuple[str, ...]] = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh",)}
 
 
 class CheckpointError(ValueError):
@@ -177,8 +189,9 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
         cfg = attn.checkpoint.config_from_hf(json.loads(Path("ckpt/config.json").read_text()))
     """
     family = family_named(_check_architecture(hf_config))
+    hf_config, local_rope_base = _layer_type_ropes(hf_config, family)
     hf_config = {**family.defaults, **hf_config}  # keys left out, not explicit nulls
-    _check_options(hf_config)
+    _check_options(hf_config, family)
     hidden_size = _get_int(hf_config, "hidden_size")
     num_heads = _get_int(hf_config, "num_attention_heads")
     num_kv_heads = _get_int(hf_config, "num_key_value_heads", default=num_heads)
@@ -186,7 +199,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
     max_seq_len = _get_int(hf_config, "max_position_embeddings")
     rope_base, rope_scaling, rope_context = _rope(hf_config, max_seq_len)
     qkv_bias, out_bias = _attention_biases(hf_config, family)
-    sliding_window = _sliding_window(hf_config, family, max_seq_len)
+    sliding_window, window_layers = _sliding_window(hf_config, family, max_seq_len)
+    scores = _scores(hf_config, family)
     try:
         return DecoderConfig(
             vocab_size=_get_int(hf_config, "vocab_size"),
@@ -203,8 +217,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             tie_embeddings=_get_bool(hf_config, "tie_word_embeddings", default=False),
             qkv_bias=qkv_bias,
             out_bias=out_bias,
-            qk_norm=family.qk_norm,
             sliding_window=sliding_window,
+            window_layers=window_layers,
+            local_rope_base=local_rope_base if sliding_window is not None else None,
+            **scores,
+            **family.options,
         )
     except ValueError as err:  # DecoderConfig's own validation, e.g. heads vs kv heads
         raise InvalidConfigError(f"config.json describes an invalid model: {err}") from err
@@ -259,7 +276,28 @@ def config_to_hf(config: DecoderConfig, *, dtype: torch.dtype = torch.float32) -
         hf_config["attention_bias"] = config.qkv_bias
     if family.window == "every_layer":
         hf_config["sliding_window"] = config.sliding_window
+    if family.window == "layer_types":
+        hf_config |= {"sliding_window": config.sliding_window or config.max_seq_len, "layer_types": [
+            "full_attention" if config.window_of(i) is None else "sliding_attention" for i in range(config.num_layers)
+        ]}  # fmt: skip
+    if family.options.get("activation") == "gelu_tanh":
+        hf_config["hidden_act"] = hf_config["hidden_activation"] = "gelu_pytorch_tanh"
+    if family.reads:
+        hf_config |= {
+            "query_pre_attn_scalar": _round(config.attn_scale**-2),
+            "attn_logit_softcapping": config.attn_softcap,
+            "final_logit_softcapping": config.logit_softcap,
+        }
+    if family.local_rope_base is not None:  # Gemma 3: both spellings of each layer type's RoPE
+        local = {"rope_type": "default", "rope_theta": config.local_rope_base}
+        hf_config["rope_parameters"] = {"full_attention": hf_config["rope_parameters"], "sliding_attention": local}
+        hf_config["rope_local_base_freq"] = config.local_rope_base
     return hf_config | dict(family.written)
+
+
+def _round(value: float) -> float | int:
+    """``value``, as an int where it is one to float precision (``query_pre_attn_scalar``)."""
+    return round(value) if math.isclose(value, round(value), rel_tol=1e-12) else value
 
 
 def _check_architecture(hf_config: Mapping[str, Any]) -> str:
@@ -288,13 +326,18 @@ def _check_architecture(hf_config: Mapping[str, Any]) -> str:
     return model_type
 
 
-def _check_options(hf_config: Mapping[str, Any]) -> None:
+def _check_options(hf_config: Mapping[str, Any], family: Family) -> None:
     def refuse(key: str, fix: str) -> None:
         raise UnsupportedConfigError(f"{key} = {hf_config[key]!r} is not supported: {fix}")
 
-    act = hf_config.get("hidden_act", "silu")
-    if act not in _SUPPORTED_ACTIVATIONS:
-        refuse("hidden_act", "attn's MLP is SwiGLU with SiLU (hidden_act 'silu')")
+    activation = family.options.get("activation", "silu")
+    key = "hidden_activation" if "hidden_activation" in hf_config else "hidden_act"
+    spellings = _ACTIVATION_SPELLINGS[activation]
+    if hf_config.get(key, spellings[0]) not in spellings:
+        mlp = {"silu": "SwiGLU with SiLU", "gelu_tanh": "GeGLU with tanh-approximated GELU"}[activation]
+        refuse(key, f"attn's {family.model_type} MLP is {mlp} ({key} {spellings[0]!r})")
+    if hf_config.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "attn's attention is causal (an embedding model's is not)")
     if hf_config.get("mlp_bias", False):
         refuse("mlp_bias", "attn's MLP linears have no bias; load this model with transformers")
     dropout = hf_config.get("attention_dropout", 0.0)
@@ -317,8 +360,13 @@ def _attention_biases(hf_config: Mapping[str, Any], family: Family) -> tuple[boo
     return bias, bias
 
 
-def _sliding_window(hf_config: Mapping[str, Any], family: Family, max_seq_len: int) -> int | None:
-    """The window every layer applies, or None, as the family spells it (``attn.families.Window``)."""
+def _sliding_window(
+    hf_config: Mapping[str, Any], family: Family, max_seq_len: int
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """The window and the layers it applies to (None: every layer), or (None, None), as the
+    family spells them (``attn.families.Window``)."""
+    if family.window == "layer_types":
+        return _layer_type_window(hf_config, family)
     if family.window == "every_layer":
         window = _get_int(hf_config, "sliding_window", default=None)
     elif family.window == "opt_in" and _get_bool(hf_config, "use_sliding_window", default=False):
@@ -339,8 +387,64 @@ def _sliding_window(hf_config: Mapping[str, Any], family: Family, max_seq_len: i
     else:
         window = None
     if window is not None and window >= max_seq_len:
-        return None  # the window holds every position the model runs
-    return window
+        return None, None  # the window holds every position the model runs
+    return window, None
+
+
+def _layer_type_window(hf_config: Mapping[str, Any], family: Family) -> tuple[int | None, tuple[int, ...] | None]:
+    """Gemma's windows: on the layers ``layer_types`` calls ``sliding_attention``, by default
+    all but every ``sliding_window_pattern``-th. Kept even where the window holds every
+    position: Gemma 3's windowed layers rotate with a RoPE of their own."""
+    layers = _get_int(hf_config, "num_hidden_layers")
+    pattern = _get_int(hf_config, "sliding_window_pattern", default=family.window_pattern)
+    kinds = hf_config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise InvalidConfigError(
+            f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {layers} layers, "
+            f"got {kinds!r}"
+        )
+    window = _get_int(hf_config, "sliding_window", default=None)
+    windowed = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    if window is None or not windowed:
+        return None, None
+    return window, None if len(windowed) == layers else windowed
+
+
+def _layer_type_ropes(hf_config: Mapping[str, Any], family: Family) -> tuple[Mapping[str, Any], float | None]:
+    """(config.json as ``_rope`` reads the global layers' RoPE from it, the windowed layers'
+    base or None). Gemma 3 spells the two as ``rope_parameters.full_attention`` and
+    ``.sliding_attention`` (transformers 5), or ``rope_theta`` / ``rope_scaling`` and
+    ``rope_local_base_freq`` (transformers 4); the windowed layers' RoPE is never scaled."""
+    if family.local_rope_base is None:
+        return hf_config, None
+    local_base = _get_float(hf_config, "rope_local_base_freq", default=family.local_rope_base)
+    params = hf_config.get("rope_parameters")
+    if not (isinstance(params, Mapping) and "full_attention" in params):
+        return hf_config, local_base
+    local, full = params.get("sliding_attention") or {}, params["full_attention"] or {}
+    if not isinstance(local, Mapping) or local.get("rope_type", "default") != "default":
+        raise UnsupportedConfigError(
+            f"rope_parameters.sliding_attention = {local!r} is not supported: attn runs the windowed layers "
+            "with plain RoPE (rope_type 'default', Gemma 3's)"
+        )
+    view = {**hf_config, "rope_parameters": full}
+    if "rope_theta" not in hf_config and isinstance(full, Mapping) and "rope_theta" in full:
+        view["rope_theta"] = full["rope_theta"]  # not the family's default: the nested base is the one
+    return view, _get_float(local, "rope_theta", default=local_base)
+
+
+def _scores(hf_config: Mapping[str, Any], family: Family) -> dict[str, float | None]:
+    """``DecoderConfig``'s score scale and soft-caps from the keys only the family reads (Gemma's)."""
+    if not family.reads:
+        return {}
+    scalar = _get_float(hf_config, "query_pre_attn_scalar", default=None)
+    return {
+        "attn_scale": None if scalar is None else scalar**-0.5,
+        "attn_softcap": _get_float(hf_config, "attn_logit_softcapping", default=None),
+        "logit_softcap": _get_float(hf_config, "final_logit_softcapping", default=None),
+    }
 
 
 _ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -465,8 +569,10 @@ def _get_int(hf_config: Mapping[str, Any], key: str, default: Any = _NO_DEFAULT)
     return value
 
 
-def _get_float(hf_config: Mapping[str, Any], key: str, default: Any) -> float:
+def _get_float(hf_config: Mapping[str, Any], key: str, default: Any) -> Any:
     value = _get(hf_config, key, default)
+    if value is None:  # absent or null, with None the default
+        return None
     if not is_number(value):
         raise InvalidConfigError(f"config.json {key} must be a number, got {value!r}")
     if not math.isfinite(value):

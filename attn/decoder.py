@@ -3,7 +3,9 @@
 Shapes: b = batch, s = sequence, e = embed dim, v = vocab size.
 
 Parameter names follow the Llama layout (``q_proj``, ``gate_proj``, ...), so a checkpoint
-maps onto it one tensor at a time.
+maps onto it one tensor at a time. Gemma 2 and 3 are the same decoder with the options
+their checkpoints need (``DecoderConfig``: scaled embeddings, ``1 + w`` norms, GeGLU, norms
+around each block's outputs, soft-capping, sliding windows on some layers only).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from attn import compat
 from attn.attention import MultiHeadAttention
-from attn.checks import check_positive_int, is_number
+from attn.checks import check_positive_int, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.parity import ParityKernels
@@ -30,6 +32,12 @@ from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
 
 __all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+"""The MLP gates ``DecoderConfig.activation`` names."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,20 @@ class DecoderConfig:
         qk_norm: each head's queries and keys go through an RMSNorm before RoPE (Qwen3).
         sliding_window: a query attends to at most this many slots ending at its own
             (Mistral's ``sliding_window``); None: to every earlier slot.
+        window_layers: the layers the sliding window applies to (Gemma's sliding layers);
+            None: every layer.
+        local_rope_base: the RoPE base of the windowed layers, unscaled (Gemma 3's
+            ``rope_local_base_freq``); None: they rotate as every other layer.
+        embed_scale: token embeddings are multiplied by ``sqrt(embed_dim)``, rounded to
+            their dtype (Gemma).
+        unit_offset_norms: every RMSNorm scales by ``1 + weight`` in fp32 (Gemma; ``attn.norm``).
+        activation: the MLP's gate: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma).
+        sandwich_norms: each block normalizes its attention and MLP outputs before adding
+            them back (Gemma 2 and 3).
+        attn_scale: what q.k is multiplied by (Gemma: ``query_pre_attn_scalar ** -0.5``);
+            None: ``head_dim ** -0.5``.
+        attn_softcap: attention scores pass through ``c * tanh(score / c)`` (Gemma 2).
+        logit_softcap: the output logits pass through ``c * tanh(logit / c)`` (Gemma 2).
     """
 
     vocab_size: int
@@ -72,6 +94,15 @@ class DecoderConfig:
     out_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None
+    local_rope_base: float | None = None
+    embed_scale: bool = False
+    unit_offset_norms: bool = False
+    activation: str = "silu"
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
@@ -98,27 +129,66 @@ class DecoderConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"DecoderConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         check_positive_int(self.sliding_window, "DecoderConfig.sliding_window", or_none=True)
+        for name in ("local_rope_base", "attn_scale", "attn_softcap", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (not is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"DecoderConfig.{name} must be a finite positive number or None, got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"DecoderConfig.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if self.window_layers is not None or self.local_rope_base is not None:
+            self._check_window_layers()
+
+    def _check_window_layers(self) -> None:
+        if self.sliding_window is None:
+            raise ValueError(
+                f"DecoderConfig.window_layers ({self.window_layers!r}) and local_rope_base ({self.local_rope_base!r}) "
+                "describe windowed layers, but sliding_window is None; set sliding_window or leave both None"
+            )
+        if self.window_layers is None:
+            return
+        layers = self.window_layers
+        if not (
+            isinstance(layers, tuple)
+            and all(is_int(i) and 0 <= i < self.num_layers for i in layers)
+            and list(layers) == sorted(set(layers))
+        ):
+            raise ValueError(
+                f"DecoderConfig.window_layers must be a tuple of distinct layer indices in increasing order, each "
+                f"in [0, {self.num_layers}), got {layers!r}"
+            )
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` applies, or None."""
+        if self.window_layers is None or layer in self.window_layers:
+            return self.sliding_window
+        return None
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, SwiGLU with ``silu``, GeGLU with ``gelu_tanh``."""
 
-    def __init__(self, embed_dim: int, hidden_dim: int) -> None:
+    def __init__(self, embed_dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with sandwich norms
+    (Gemma) each output is normalized once more before it is added back."""
 
-    def __init__(self, config: DecoderConfig, rope: RotaryEmbedding, cache_state: CacheState) -> None:
+    def __init__(self, config: DecoderConfig, index: int, rope: RotaryEmbedding, cache_state: CacheState) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.embed_dim, config.norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
+
+        self.attn_norm = norm()
         self.attn = MultiHeadAttention(
             embed_dim=config.embed_dim,
             num_heads=config.num_heads,
@@ -129,17 +199,30 @@ class DecoderLayer(nn.Module):
             qkv_bias=config.qkv_bias,
             out_bias=config.out_bias,
             qk_norm_eps=config.norm_eps if config.qk_norm else None,
-            sliding_window=config.sliding_window,
+            sliding_window=config.window_of(index),
+            scale=config.attn_scale,
+            softcap=config.attn_softcap,
+            unit_offset_norms=config.unit_offset_norms,
             cache_state=cache_state,
         )
-        self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps)
-        self.mlp = FeedForward(config.embed_dim, config.hidden_dim)
+        self.attn_out_norm = norm() if config.sandwich_norms else None
+        self.mlp_norm = norm()
+        self.mlp = FeedForward(config.embed_dim, config.hidden_dim, config.activation)
+        self.mlp_out_norm = norm() if config.sandwich_norms else None
 
     @compat.compile_region  # attn.compile_for_decode compiles one layer for all of them
     def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
         """``x`` (b, s, e) -> (b, s, e), computed as ``plan`` says (``attn.plan``)."""
-        x = x + self.attn.compute(self.attn_norm(x), plan)
-        return x + self.mlp(self.mlp_norm(x))
+        return self.add_mlp(self.add_attention(x, self.attn.compute(self.attn_norm(x), plan)))
+
+    def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``x`` (b, s, e) plus the attention's output (b, s, e)."""
+        return x + (attended if self.attn_out_norm is None else self.attn_out_norm(attended))
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (b, s, e) plus the MLP of its norm: the block's second half."""
+        out = self.mlp(self.mlp_norm(x))
+        return x + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))
 
 
 class TransformerDecoder(nn.Module):
@@ -162,9 +245,19 @@ class TransformerDecoder(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.embed_dim)
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_base, config.rope_scaling)
+        self.local_rope = None  # the windowed layers' RoPE, where it differs (Gemma 3)
+        if config.local_rope_base is not None:
+            self.local_rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.local_rope_base)
         self.cache_state = CacheState()  # the fill, flag and holder of every layer's cache
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rope, self.cache_state) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.embed_dim, config.norm_eps)
+        windowed_rope = self.local_rope or self.rope
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, windowed_rope if config.window_of(i) else self.rope, self.cache_state)
+            for i in range(config.num_layers)
+        )
+        # Where the window applies to some layers only (Gemma), those run the plan's `local` part.
+        some = config.window_layers is not None
+        self.local_layers = tuple(some and config.window_of(i) is not None for i in range(config.num_layers))
+        self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
 
@@ -360,7 +453,8 @@ class TransformerDecoder(nn.Module):
             self.rope,
             input_pos=input_pos,
             mask=mask,
-            window=self.config.sliding_window,
+            window=None if any(self.local_layers) else self.config.sliding_window,
+            local=self._local_plan_options(),
             checked=checked,
         )  # checks before any write
         run = self._parity_logits if self.parity else self._logits
@@ -404,16 +498,34 @@ class TransformerDecoder(nn.Module):
         default ones. Every forward, and ``attn.completion_logprobs``, runs inside it."""
         return ParityKernels() if self.parity else contextlib.nullcontext()
 
+    def _local_plan_options(self) -> tuple[int, RotaryEmbedding] | None:
+        """The window and RoPE of the layers that run the plan's ``local`` part, or None."""
+        if not any(self.local_layers) or self.config.sliding_window is None:
+            return None
+        return self.config.sliding_window, self.local_rope or self.rope
+
     def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # (b, s, e)
-        for layer in self.layers:
-            h = layer(h, plan)
+        local = plan.local or plan
+        h = self.embed(tokens)  # (b, s, e)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, local if self.local_layers[i] else plan)
         if last_only:
             h = h[:, -1:]  # (b, 1, e)
+        return self.head(h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids -> (b, s, e) the first hidden states."""
+        h = self.tok_embeddings(tokens)  # (b, s, e)
+        if self.config.embed_scale:  # sqrt(e) rounded to h's dtype first, as Gemma's checkpoints were trained
+            h = h * torch.tensor(math.sqrt(self.config.embed_dim), dtype=h.dtype, device=h.device)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, s, e) the last hidden states -> (b, s, v) logits: the final norm and output layer."""
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)  # (b, s, v)
-        return self.output(h)  # (b, s, v)
+        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)  # (b, s, v)
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def check_tokens(self, tokens: torch.Tensor, *, checked: bool = False) -> None:
         """Raises unless ``tokens`` is a (b, s) integer tensor of ids in ``[0, vocab_size)``;

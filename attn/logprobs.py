@@ -29,6 +29,7 @@ from torch import nn
 
 from attn.checks import bad_ids, is_int, is_number
 from attn.masks import left_pad, padding_positions
+from attn.rope import RotaryEmbedding
 
 __all__ = ["CompletionLogprobs", "completion_logprobs"]
 
@@ -99,7 +100,7 @@ def completion_logprobs(
     rows_per_prompt = torch.tensor(group_sizes, device=device)  # (B,)
     with model.kernels():
         hidden = _shared_prefix_hidden(model, prompt_tokens, prompt_valid, completion_tokens, rows_per_prompt)
-        logits = _head(model, hidden)  # (R, N, v)
+        logits = model.head(hidden)  # (R, N, v)
     logprobs = (logits.float() / temperature).log_softmax(-1)  # (R, N, v)
     chosen = torch.where(completion_valid, logprobs.gather(-1, completion_tokens[..., None]).squeeze(-1), 0.0)
     pad = (width or longest) - longest  # columns past the longest completion: 0, masked out
@@ -118,43 +119,42 @@ def _shared_prefix_hidden(
     P = prompt_tokens.shape[1]
     R, N = completion_tokens.shape
     device = prompt_tokens.device
-    window = model.config.sliding_window
     prompt_pos = padding_positions(prompt_valid)  # (B, P)
     completion_pos = prompt_valid.sum(-1).repeat_interleave(rows_per_prompt)[:, None] + torch.arange(N, device=device)
     prompt_slots, completion_slots = torch.arange(P, device=device), P + torch.arange(N, device=device)
-    prompt_mask = _slot_mask(prompt_valid, prompt_slots, prompt_slots, window)  # (B, P, P)
     keys_valid = torch.cat(
         (prompt_valid.repeat_interleave(rows_per_prompt, 0), torch.ones(R, N, dtype=torch.bool, device=device)), 1
-    )
-    completion_mask = _slot_mask(
-        keys_valid, completion_slots, torch.arange(P + N, device=device), window
-    )  # (R, N, P + N)
-    prompt_rotation = model.rope.rotation(prompt_pos)  # (2, B, 1, P, d), once for every layer
-    completion_rotation = model.rope.rotation(completion_pos)  # (2, R, 1, N, d)
-    prompt_h = model.tok_embeddings(prompt_tokens)  # (B, P, e)
-    completion_h = model.tok_embeddings(completion_tokens)  # (R, N, e)
-    for layer in model.layers:
+    )  # (R, P + N)
+
+    def plan(window: int | None, rope: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+        """Masks and rotations of the prompts and the completions, once for the layers with ``window``."""
+        prompt_mask = _slot_mask(prompt_valid, prompt_slots, prompt_slots, window)  # (B, P, P)
+        completion_mask = _slot_mask(keys_valid, completion_slots, torch.arange(P + N, device=device), window)
+        return prompt_mask, completion_mask, rope.rotation(prompt_pos), rope.rotation(completion_pos)
+
+    plans = {}  # (window, RoPE) -> (B, P, P), (R, N, P + N), (2, B, 1, P, d), (2, R, 1, N, d)
+    prompt_h = model.embed(prompt_tokens)  # (B, P, e)
+    completion_h = model.embed(completion_tokens)  # (R, N, e)
+    for i, layer in enumerate(model.layers):
         attention = layer.attn
+        kind = (model.config.window_of(i), attention.rope)  # Gemma: two kinds of layer
+        if kind not in plans:
+            plans[kind] = plan(*kind)
+        prompt_mask, completion_mask, prompt_rotation, completion_rotation = plans[kind]
         q_p, k_p, v_p = attention.project(
             layer.attn_norm(prompt_h), prompt_rotation
         )  # (B, h, P, d), (B, h_kv, P, d) x2
         q_c, k_c, v_c = attention.project(layer.attn_norm(completion_h), completion_rotation)  # (R, h, N, d), ...
         k = torch.cat((k_p.repeat_interleave(rows_per_prompt, 0), k_c), dim=2)  # (R, h_kv, P + N, d)
         v = torch.cat((v_p.repeat_interleave(rows_per_prompt, 0), v_c), dim=2)  # (R, h_kv, P + N, d)
-        prompt_h = prompt_h + attention.attend(q_p, k_p, v_p, prompt_mask, prompt_h.dtype)
-        completion_h = completion_h + attention.attend(q_c, k, v, completion_mask, completion_h.dtype)
-        prompt_h = prompt_h + layer.mlp(layer.mlp_norm(prompt_h))
-        completion_h = completion_h + layer.mlp(layer.mlp_norm(completion_h))
+        prompt_h = layer.add_attention(prompt_h, attention.attend(q_p, k_p, v_p, prompt_mask, prompt_h.dtype))
+        completion_h = layer.add_attention(
+            completion_h, attention.attend(q_c, k, v, completion_mask, completion_h.dtype)
+        )
+        prompt_h = layer.add_mlp(prompt_h)
+        completion_h = layer.add_mlp(completion_h)
     last_prompt = prompt_h[:, -1:].repeat_interleave(rows_per_prompt, 0)  # (R, 1, e): predicts token 0
     return torch.cat((last_prompt, completion_h[:, :-1]), dim=1)  # (R, N, e)
-
-
-def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The final norm and output layer over (R, N, e): (R, N, v)."""
-    hidden = model.norm(hidden)
-    if model.output is None:
-        return F.linear(hidden, model.tok_embeddings.weight)
-    return model.output(hidden)
 
 
 def _slot_mask(

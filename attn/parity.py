@@ -20,8 +20,11 @@ swaps three functions while a model's forward runs (``ParityKernels``, a
   sums carry 29 bits more than an fp32 result keeps, so the order in which keys are summed,
   how many masked keys a pass carries, and where padding puts them change nothing once the
   result is rounded back.
-- ``F.silu``: in float64 too, for the same reason (a vectorised and a scalar ``exp`` may
-  differ in the last bit, and which one an element meets depends on the tensor's size).
+- ``F.silu`` and ``F.gelu`` (Gemma's GeGLU): in float64 too, for the same reason (a
+  vectorised and a scalar ``exp`` may differ in the last bit, and which one an element meets
+  depends on the tensor's size).
+
+Gemma 2's soft-capped attention is not SDPA: ``set_parity_mode`` refuses a model with it.
 
 Every other op in the model is an exact IEEE operation or a per-row reduction whose order
 does not depend on the row count. The price is speed (``python -m attn bench --parity``);
@@ -48,16 +51,26 @@ __all__ = ["ROWS", "ParityKernels", "exact_attention", "invariant_linear", "mode
 ROWS = 16
 
 
+# Inner and output dims of every product, padded with zeros to multiples of this. Measured on
+# the AMD EPYC kind (MKL, fp32): where K is not a multiple of 4 or N is 8 or less, a row's
+# result in a 16-row product depends on its place in it; padded, no shape tried did (K 1-69,
+# N 1-64, fp32 and bf16). Checkpoints' linears need no padding: their dims are multiples of 16.
+PAD = 16
+
+
 def _chunked_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` (M, K), ``weight`` (N, K), one ``ROWS``-row product at a time."""
-    m = x.shape[0]
-    padded = x.new_zeros((-(-m // ROWS) * ROWS, x.shape[1]))  # (M', K), M' a multiple of ROWS
-    padded[:m] = x
-    out = x.new_empty((padded.shape[0], weight.shape[0]))  # (M', N)
+    (m, k), n = x.shape, weight.shape[0]
+    k_pad, n_pad = -k % PAD, -n % PAD
+    if k_pad or n_pad:  # adds exact zeros to each sum and columns that are dropped
+        weight = F.pad(weight, (0, k_pad, 0, n_pad))  # (N', K')
+    padded = x.new_zeros((-(-m // ROWS) * ROWS, k + k_pad))  # (M', K'), M' a multiple of ROWS
+    padded[:m, :k] = x
+    out = x.new_empty((padded.shape[0], weight.shape[0]))  # (M', N')
     weight_t = weight.t()
     for start in range(0, padded.shape[0], ROWS):
         torch.mm(padded[start : start + ROWS], weight_t, out=out[start : start + ROWS])
-    return out[:m]
+    return out[:m, :n]
 
 
 class _InvariantLinear(torch.autograd.Function):
@@ -194,14 +207,19 @@ def _exact_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return F.silu(x.double()).to(x.dtype)
 
 
+def _exact_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return F.gelu(x.double(), approximate=approximate).to(x.dtype)
+
+
 class ParityKernels(TorchFunctionMode):
-    """While active, ``F.linear``, ``F.scaled_dot_product_attention`` and ``F.silu`` run
-    their parity-mode forms (the module doc); every other function runs as it is."""
+    """While active, ``F.linear``, ``F.scaled_dot_product_attention``, ``F.silu`` and
+    ``F.gelu`` run their parity-mode forms (the module doc); every other function runs as it is."""
 
     _SWAPS: ClassVar[dict[object, object]] = {
         F.linear: invariant_linear,
         F.scaled_dot_product_attention: exact_attention,
         F.silu: _exact_silu,
+        F.gelu: _exact_gelu,
     }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -230,6 +248,12 @@ def set_parity_mode(model: torch.nn.Module, enabled: bool = True) -> None:
         raise ValueError(
             f"set_parity_mode takes an attn.TransformerDecoder (or a torch.compile of one), got a "
             f"{type(model).__name__}; attn.compile_for_decode refuses parity mode: set it on the model"
+        )
+    softcap = getattr(getattr(target, "config", None), "attn_softcap", None)
+    if enabled and softcap is not None:
+        raise ValueError(
+            f"set_parity_mode: this model soft-caps its attention scores (attn_softcap={softcap}, Gemma 2), "
+            "which parity mode's float64 attention does not compute yet; its passes run with the default kernels"
         )
     target.parity = enabled
 

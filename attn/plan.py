@@ -35,6 +35,10 @@ class PassPlan(NamedTuple):
     slots: torch.Tensor | None
     """(s,) the cache slots the layers write (all or nothing: ``CacheState.write_slots``);
     ``None``: the pass leaves the cache alone."""
+    local: PassPlan | None = None
+    """The plan of the layers a sliding window applies to, where only some have one (Gemma):
+    the same slots, the mask ANDed with the window and, with a RoPE of their own (Gemma 3),
+    their rotation. The decoder hands each layer its part; ``None``: one plan for all."""
 
 
 def plan_pass(
@@ -47,6 +51,7 @@ def plan_pass(
     input_pos: torch.Tensor | None,
     mask: torch.Tensor | None,
     window: int | None,
+    local: tuple[int, RotaryEmbedding] | None = None,
     checked: bool = False,
 ) -> PassPlan:
     """The plan of a pass of ``seq_len`` new tokens per row over ``batch_size`` rows.
@@ -57,7 +62,9 @@ def plan_pass(
         rope: the rotary table the layers share.
         input_pos: RoPE positions the caller gave, (s,) or (b, s), or None.
         mask: the caller's mask (``TransformerDecoder.forward`` documents it), or None.
-        window: the sliding window in slots, or None.
+        window: the sliding window in slots every layer applies, or None.
+        local: the window and RoPE of the layers that have a window where others do not
+            (``PassPlan.local``), or None.
         checked: the caller checked this pass's capacity already (``attn.generate`` does,
             once per generation); skips that host read.
 
@@ -72,7 +79,13 @@ def plan_pass(
     query_slots = None if cache is None else cache.query_slots(seq_len)  # (s,)
     input_pos, mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, window, span)
     slots = None if cache is None else cache.write_slots(query_slots)
-    return PassPlan(rope.rotation(input_pos), mask, slots)
+    rotation = rope.rotation(input_pos)
+    if local is None:
+        return PassPlan(rotation, mask, slots)
+    local_window, local_rope = local
+    _, local_mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, local_window, span)
+    local_rotation = rotation if local_rope is rope else local_rope.rotation(input_pos)
+    return PassPlan(rotation, mask, slots, PassPlan(local_rotation, local_mask, slots))
 
 
 def check_cached_pass(state: CacheState, b: int, s: int, mask: torch.Tensor | None) -> int | None:

@@ -69,6 +69,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+# Gemma's options on a tiny decoder: layer 0 windowed (with its own RoPE base, Gemma 3), layer
+# 1 global; caps low enough to bind at tiny_model's weights (Gemma 2).
+GEMMA_OPTIONS: dict[str, dict[str, object]] = {
+    "gemma2": dict(
+        embed_scale=True, unit_offset_norms=True, activation="gelu_tanh", sandwich_norms=True, attn_scale=0.25,
+        attn_softcap=5.0, logit_softcap=8.0, sliding_window=3, window_layers=(0,),
+    ),
+    "gemma3": dict(
+        embed_scale=True, unit_offset_norms=True, activation="gelu_tanh", sandwich_norms=True, qk_norm=True,
+        attn_scale=0.25, sliding_window=3, window_layers=(0,), local_rope_base=100.0,
+    ),
+}  # fmt: skip
+
+
 def tiny_config(**overrides: object) -> attn.DecoderConfig:
     """A decoder small enough for many examples on two CPU cores."""
     fields = dict(vocab_size=61, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64)

@@ -28,8 +28,8 @@ def reference_attention(
 ) -> torch.Tensor:
     """softmax(Q K^T / sqrt(d)) V head by head, in float64.
 
-    Biases and q/k norms are used when the layer has them; the sliding window is not (it is
-    part of ``allowed``).
+    Biases and q/k norms are used when the layer has them, and its score scale and soft-cap
+    (Gemma); the sliding window is not (it is part of ``allowed``).
 
     Args:
         x: (b, s, e); attention: an attn.MultiHeadAttention (weights only are used);
@@ -46,7 +46,7 @@ def reference_attention(
     def head_norm(t: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
         if norm is None:
             return t
-        return t / torch.sqrt((t * t).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+        return t / torch.sqrt((t * t).mean(-1, keepdim=True) + norm.eps) * norm_scale(norm)
 
     q = head_norm(project(attention.q_proj, x).view(b, s, h, d), attention.q_norm)
     k = head_norm(project(attention.k_proj, x).view(b, s, h_kv, d), attention.k_norm)
@@ -58,10 +58,17 @@ def reference_attention(
             kv_head = head // (h // h_kv)
             qh = reference_rope(q[row, :, head], positions[row], base)  # (s, d)
             kh = reference_rope(k[row, :, kv_head], positions[row], base)  # (s, d)
-            scores = qh @ kh.T / math.sqrt(d)  # (s, s)
+            scores = qh @ kh.T * (attention.scale or 1 / math.sqrt(d))  # (s, s)
+            if attention.softcap is not None:
+                scores = attention.softcap * torch.tanh(scores / attention.softcap)
             scores = scores.masked_fill(~allowed[row], float("-inf"))
             out[row, :, head] = scores.softmax(-1) @ v[row, :, kv_head].double()
     return project(attention.o_proj, out.reshape(b, s, h * d))
+
+
+def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """What an RMSNorm multiplies by: its weight, or 1 + its weight (Gemma's)."""
+    return 1 + norm.weight.double() if norm.unit_offset else norm.weight.double()
 
 
 def window_band(s: int, window: int | None) -> torch.Tensor:
@@ -83,20 +90,34 @@ def reference_decoder(
     if padding is None:
         padding = torch.ones(b, s, dtype=torch.bool)
     positions = (padding.long().cumsum(-1) - 1).clamp(min=0)
-    causal = window_band(s, model.config.sliding_window)  # slots, as transformers counts them
-    allowed = (causal & padding[:, None, :]) | torch.eye(s, dtype=torch.bool)  # (b, s, s)
-    eps = model.config.norm_eps
+    config = model.config
 
-    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight.double()
+    def allowed(layer: int) -> torch.Tensor:  # (b, s, s)
+        causal = window_band(s, config.window_of(layer))  # slots, as transformers counts them
+        return (causal & padding[:, None, :]) | torch.eye(s, dtype=torch.bool)
+
+    def rms(x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+        if norm is None:  # no sandwich norm here
+            return x
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + config.norm_eps) * norm_scale(norm)
+
+    def gate(x: torch.Tensor) -> torch.Tensor:
+        if config.activation == "gelu_tanh":
+            return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+        return x * torch.sigmoid(x)
 
     x = model.tok_embeddings.weight.double()[tokens]
-    for layer in model.layers:
-        x = x + reference_attention(rms(x, layer.attn_norm.weight), layer.attn, positions, allowed)
-        hidden = rms(x, layer.mlp_norm.weight)
-        gate = hidden @ layer.mlp.gate_proj.weight.double().T
-        up = hidden @ layer.mlp.up_proj.weight.double().T
-        x = x + (torch.nn.functional.silu(gate) * up) @ layer.mlp.down_proj.weight.double().T
-    x = rms(x, model.norm.weight)
+    if config.embed_scale:
+        x = x * math.sqrt(config.embed_dim)
+    for i, layer in enumerate(model.layers):
+        attended = reference_attention(rms(x, layer.attn_norm), layer.attn, positions, allowed(i))
+        x = x + rms(attended, layer.attn_out_norm)
+        hidden = rms(x, layer.mlp_norm)
+        product = gate(hidden @ layer.mlp.gate_proj.weight.double().T) * (hidden @ layer.mlp.up_proj.weight.double().T)
+        x = x + rms(product @ layer.mlp.down_proj.weight.double().T, layer.mlp_out_norm)
+    x = rms(x, model.norm)
     head = model.tok_embeddings.weight if model.output is None else model.output.weight
-    return x @ head.double().T
+    logits = x @ head.double().T
+    if config.logit_softcap is not None:
+        logits = config.logit_softcap * torch.tanh(logits / config.logit_softcap)
+    return logits

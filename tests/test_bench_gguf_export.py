@@ -189,6 +189,12 @@ def test_dummy_vocab_has_vocab_size_tokens(tmp_path: Path) -> None:
         ({"qk_norm": True}, torch.float32, r"q/k norms \(qk_norm, Qwen3\)"),
         ({"sliding_window": 16}, torch.float32, r"a sliding window \(16\)"),
         ({}, torch.float64, r"writes float32, bfloat16, float16 weights, not float64"),
+        (
+            {"embed_scale": True, "activation": "gelu_tanh"},
+            torch.float32,
+            r"Gemma's options \(\{'embed_scale': True, 'activation': 'gelu_tanh'\}\)",
+        ),
+        ({"logit_softcap": 30.0}, torch.float32, r"Gemma's options \(\{'logit_softcap': 30.0\}\)"),
     ],
 )
 def test_unrepresentable_models_are_refused_by_name(

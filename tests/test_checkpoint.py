@@ -227,6 +227,34 @@ def test_config_defaults_follow_transformers() -> None:
     assert (config.norm_eps, config.rope_base, config.tie_embeddings) == (1e-6, 10000.0, False)
 
 
+def test_gemma_defaults_follow_transformers() -> None:
+    minimal = dict(vocab_size=100, hidden_size=64, num_hidden_layers=12, num_attention_heads=4, intermediate_size=80)
+    gemma2 = config_from_hf({"model_type": "gemma2", **minimal})
+    assert (gemma2.num_kv_heads, gemma2.head_dim, gemma2.max_seq_len, gemma2.tie_embeddings) == (4, 256, 8192, True)
+    assert (gemma2.attn_scale, gemma2.attn_softcap, gemma2.logit_softcap) == (256**-0.5, 50.0, 30.0)
+    assert (gemma2.sliding_window, gemma2.window_layers, gemma2.local_rope_base) == (4096, (0, 2, 4, 6, 8, 10), None)
+    gemma3 = config_from_hf({"model_type": "gemma3_text", **minimal})
+    assert (gemma3.attn_softcap, gemma3.logit_softcap, gemma3.qk_norm) == (None, None, True)
+    assert (gemma3.rope_base, gemma3.local_rope_base, gemma3.max_seq_len) == (1e6, 1e4, 131072)
+    assert gemma3.window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # all but every 6th
+    legacy = config_from_hf(
+        {"model_type": "gemma3_text", **minimal, "rope_local_base_freq": 2e4, "sliding_window_pattern": 3,
+         "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    )  # fmt: skip
+    assert (legacy.local_rope_base, legacy.rope_scaling.factor, legacy.window_layers) == (
+        2e4,
+        8.0,
+        (0, 1, 3, 4, 6, 7, 9, 10),
+    )
+    for config in (gemma2, gemma3):
+        assert (config.embed_scale, config.unit_offset_norms, config.activation, config.sandwich_norms) == (
+            True,
+            True,
+            "gelu_tanh",
+            True,
+        )
+
+
 def test_mistral_without_window_is_llama() -> None:
     base = dict(
         vocab_size=100,
@@ -423,6 +451,38 @@ BAD_CONFIGS = [
         r"use_sliding_window = true windows layers 1..1 only \(sliding_window 8, max_window_layers 1\)",
     ),
     ("fp8 dtype", _set(dtype="float8_e4m3fn"), UnsupportedConfigError, r"dtype 'float8_e4m3fn' is not supported"),
+    (
+        "gemma2 with exact gelu",
+        _set(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_activation="gelu"),
+        UnsupportedConfigError,
+        r"hidden_activation = 'gelu' is not supported: attn's gemma2 MLP is GeGLU with tanh-approximated GELU",
+    ),
+    (
+        "embedding gemma's bidirectional attention",
+        _set(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True),
+        UnsupportedConfigError,
+        r"use_bidirectional_attention = True is not supported: attn's attention is causal",
+    ),
+    (
+        "gemma3 with a scaled local rope",
+        _set(
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            rope_theta=None,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            },
+        ),
+        UnsupportedConfigError,
+        r"rope_parameters.sliding_attention = .* runs the windowed layers with plain RoPE",
+    ),
+    (
+        "gemma2 layer_types of the wrong length",
+        _set(model_type="gemma2", architectures=["Gemma2ForCausalLM"], layer_types=["full_attention"]),
+        InvalidConfigError,
+        r"layer_types must list 'sliding_attention' or 'full_attention' for each of the 2 layers",
+    ),
     # invalid configs
     ("no hidden_size", _drop("hidden_size"), InvalidConfigError, r"lacks the required key 'hidden_size'"),
     ("string heads", _set(num_attention_heads="4"), InvalidConfigError, r"num_attention_heads must be an integer"),

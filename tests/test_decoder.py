@@ -10,14 +10,16 @@ from hypothesis import strategies as st
 import attn
 from attn import DecoderConfig, TransformerDecoder, padded_causal_mask, padding_positions
 
-from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, tiny_config, tiny_model
+from .conftest import GEMMA_OPTIONS, HostSyncCounter, assert_cache_unchanged, cache_state, tiny_config, tiny_model
 from .reference import reference_decoder
 
 
 @st.composite
 def decoder_setups(draw: st.DrawFn) -> dict:
+    """The decoder's options: Llama's, Qwen's and Mistral's at random, or a tiny Gemma's."""
     num_kv_heads = draw(st.sampled_from([1, 2, 4]))
-    return dict(
+    gemma = draw(st.sampled_from([None, None, "gemma2", "gemma3"]))
+    setup = dict(
         num_kv_heads=num_kv_heads,
         num_heads=num_kv_heads * draw(st.sampled_from([1, 2, 4])),
         head_dim=draw(st.sampled_from([4, 8, 16])),
@@ -28,6 +30,7 @@ def decoder_setups(draw: st.DrawFn) -> dict:
         qk_norm=draw(st.booleans()),
         sliding_window=draw(st.sampled_from([None, 2, 5])),
     )
+    return setup if gemma is None else setup | GEMMA_OPTIONS[gemma]
 
 
 @given(decoder_setups(), st.integers(1, 3), st.integers(1, 12))

@@ -28,7 +28,7 @@ from attn.fast_decode import (
 )
 from attn.kv_cache import SLOT_STEP
 
-from .conftest import assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
+from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 OTHER_PROMPTS = [[7, 8], [9, 10, 11, 12]]
@@ -66,6 +66,22 @@ def test_checkpoint_features_compile_and_equal_eager() -> None:
     """q/k/v biases (Qwen2), q/k norms (Qwen3) and a sliding window (Mistral) through the
     compiled step: the same tokens as eager, every linear rewritten, biased ones included."""
     model = tiny_model(13, qkv_bias=True, qk_norm=True, sliding_window=3)
+    expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
+    model.setup_caches(2, 32)
+    fast = compile_for_decode(model)
+    got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)
+    assert fast.stats.graphs == 1, fast.stats
+    assert fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_compiles_and_equals_eager(family: str) -> None:
+    """Gemma's options through the compiled step: windowed and global layers take their parts
+    of one plan outside the layer region, which still compiles once for every layer."""
+    model = tiny_model(13, num_layers=4, **GEMMA_OPTIONS[family])
     expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
     model.setup_caches(2, 32)
     fast = compile_for_decode(model)

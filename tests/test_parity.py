@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounter
 import attn
 from attn.parity import ROWS, exact_attention, invariant_linear
 
-from .conftest import assert_cache_unchanged, cache_state, tiny_model
+from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, tiny_model
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
@@ -134,11 +134,13 @@ def training_logprobs(model, tokens, positions, mask, prompt_length, targets, te
     kv_heads=st.sampled_from([1, 2, 4]),
     window=st.sampled_from([None, 3]),
     seed=st.integers(0, 1000),
+    gemma3=st.booleans(),
 )
 def test_generation_logprobs_equal_the_training_forward_bit_for_bit(
-    prompts, samples, steps, dtype, kv_heads, window, seed
+    prompts, samples, steps, dtype, kv_heads, window, seed, gemma3
 ) -> None:
-    model = tiny_model(seed % 7, num_kv_heads=kv_heads, sliding_window=window).to(dtype)
+    options = GEMMA_OPTIONS["gemma3"] if gemma3 else {"sliding_window": window}
+    model = tiny_model(seed % 7, num_kv_heads=kv_heads, **options).to(dtype)
     attn.set_parity_mode(model)
     generator = torch.Generator().manual_seed(seed)
     out = attn.generate(
@@ -226,3 +228,7 @@ def test_set_parity_mode_rejects_what_it_cannot_set() -> None:
     assert model.parity is False
     attn.set_parity_mode(torch.compile(model, backend="eager"))  # sets it on the model itself
     assert model.parity is True
+    capped = tiny_model(0, **GEMMA_OPTIONS["gemma2"])
+    with pytest.raises(ValueError, match=r"soft-caps its attention scores \(attn_softcap=5.0, Gemma 2\)"):
+        attn.set_parity_mode(capped)
+    assert capped.parity is False

@@ -11,7 +11,7 @@ import attn
 from attn.kv_cache import CacheState, KVCache
 from attn.plan import plan_pass
 from attn.rope import RotaryEmbedding
-from tests.conftest import tiny_model
+from tests.conftest import GEMMA_OPTIONS, tiny_model
 
 
 def _state(batch: int, capacity: int, filled: int) -> CacheState:
@@ -100,3 +100,52 @@ def test_a_forward_plans_once_and_every_layer_computes_that_plan(monkeypatch: py
     assert len(plans) == 5 and all(plan is plans[0] for plan in plans)
     assert (plans[0].slots is not None) == cached
     assert model.cache_state.size == (3 if cached else 0)
+
+
+@given(
+    cached=st.booleans(),
+    filled=st.integers(0, 10),
+    s=st.integers(1, 12),
+    window=st.integers(1, 12),
+    own_rope=st.booleans(),
+)
+def test_a_plan_for_some_windowed_layers_gives_them_their_own_part(
+    cached: bool, filled: int, s: int, window: int, own_rope: bool
+) -> None:
+    """Gemma: the plan proper is unwindowed; its ``local`` part has the same slots, the window
+    ANDed into its mask, and the rotation of the windowed layers' RoPE."""
+    state = _state(1, 24, filled if cached else 0)
+    rope, local_rope = RotaryEmbedding(4, 24), RotaryEmbedding(4, 24, base=100.0)
+    local_rope = local_rope if own_rope else rope
+    plan = plan_pass(state, cached, 1, s, rope, input_pos=None, mask=None, window=None, local=(window, local_rope))
+    first = filled if cached else 0
+    query_slots = list(range(first, first + s))
+    n = plan.mask.shape[-1] if cached else s
+    assert plan.mask is None if not cached else torch.equal(plan.mask, _naive_mask(query_slots, n, None))
+    local = plan.local
+    assert local.local is None and local.slots is plan.slots
+    if not cached and s <= window:
+        assert local.mask is None  # the whole pass fits the window: the causal kernel
+    else:
+        assert torch.equal(local.mask, _naive_mask(query_slots, n, window))
+    assert torch.equal(plan.rotation, rope.cos_sin[:, query_slots])
+    assert torch.equal(local.rotation, local_rope.cos_sin[:, query_slots])
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_gemma_layers_take_their_part_of_one_plan(monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
+    model = tiny_model(4, num_layers=4, **(GEMMA_OPTIONS["gemma3"] | {"window_layers": (0, 2)}))
+    model.setup_caches(1, 16)
+    plans = []
+    original_compute = attn.MultiHeadAttention.compute
+
+    def record_plan(self: attn.MultiHeadAttention, x: torch.Tensor, plan: object) -> torch.Tensor:
+        plans.append(plan)
+        return original_compute(self, x, plan)
+
+    monkeypatch.setattr(attn.MultiHeadAttention, "compute", record_plan)
+    with torch.inference_mode() if cached else torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]))
+    whole = plans[1]
+    assert whole.local is not None and [plan is whole.local for plan in plans] == [True, False, True, False]
+    assert all(plan is whole for plan in plans[1::2])

@@ -2,7 +2,9 @@
 
 For each case (Llama with plain, ``llama3`` and ``linear`` RoPE and attention biases;
 Qwen2 with q/k/v biases; Qwen3 with q/k norms and a head_dim unequal to hidden/heads;
-Mistral with a sliding window shorter than the sequences), the transformers model with
+Mistral with a sliding window shorter than the sequences; Gemma 2 with soft-capping and a
+window on every other layer; Gemma 3 with q/k norms and windowed layers of their own RoPE
+base beside linearly scaled global ones), the transformers model with
 random weights is saved with ``save_pretrained``, loaded with ``attn.load_pretrained``,
 and both models must agree on:
 
@@ -54,6 +56,11 @@ class OracleCase:
     name: str
     hf: dict[str, Any]  # config arguments on top of BASE
     family: str = "Llama"  # transformers' {family}Config and {family}ForCausalLM
+    model_class: str | None = None  # where it is not {family}ForCausalLM
+
+    @property
+    def model_class_name(self) -> str:
+        return self.model_class or f"{self.family}ForCausalLM"
 
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
@@ -146,7 +153,41 @@ CASES = [
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, rope_theta=1e6),
         "Mistral",
     ),
+    # Gemma 2: layers 0 and 2 windowed; a query scalar unlike head_dim; caps low enough to
+    # bend the scores and logits these weights give (transformers' 50 and 30 barely would).
+    OracleCase(
+        "gemma2-window6-softcap",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+        "Gemma2",
+    ),
+    # Gemma 3: windowed layers at base 1e4, global ones at 1e6 stretched linearly; q/k norms.
+    OracleCase(
+        "gemma3-window6-two-ropes",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=6,
+            sliding_window_pattern=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+        "Gemma3Text",
+        "Gemma3ForCausalLM",
+    ),
 ]
+GEMMA = {"Gemma2", "Gemma3Text"}
 
 
 @dataclass(frozen=True)
@@ -162,11 +203,13 @@ def _hf_model(case: OracleCase, seed: int = 0) -> Any:
     config_class = getattr(transformers, f"{case.family}Config")
     config = config_class(**BASE, **case.hf, initializer_range=INIT_STD, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{case.family}ForCausalLM")(config).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: vary them so a swap or a drop would show
+    model = getattr(transformers, case.model_class_name)(config).eval()
+    with torch.no_grad():  # norms scale by 1 and biases are 0: vary them so a swap or a drop would show
         for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
+            if name.endswith("norm.weight"):  # a scale in [0.5, 1.5]: Gemma's is 1 + weight
+                parameter.uniform_(-0.5, 0.5) if case.family in GEMMA else parameter.uniform_(0.5, 1.5)
+            elif name.endswith("embed_tokens.weight") and case.family in GEMMA:
+                parameter /= config.hidden_size**0.5  # Gemma scales it up by as much: else it swamps every layer
             elif name.endswith(".bias"):
                 parameter.uniform_(-0.5, 0.5)
     return model
@@ -216,11 +259,22 @@ def test_config_matches(pair: Pair) -> None:
         hf.num_key_value_heads,
         getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
     )
-    assert config.rope_base == hf.rope_parameters["rope_theta"] and config.norm_eps == hf.rms_norm_eps
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)  # Gemma 3: one per layer type
+    assert config.rope_base == rope["rope_theta"] and config.norm_eps == hf.rms_norm_eps
     assert config.tie_embeddings == hf.tie_word_embeddings and config.max_seq_len == hf.max_position_embeddings
-    rope_type = hf.rope_parameters.get("rope_type", "default")
-    assert (config.rope_scaling.kind if config.rope_scaling else "default") == rope_type
+    assert (config.rope_scaling.kind if config.rope_scaling else "default") == rope.get("rope_type", "default")
+    local = hf.rope_parameters.get("sliding_attention")
+    assert config.local_rope_base == (None if local is None else local["rope_theta"])
     assert config.sliding_window == getattr(hf, "sliding_window", None)
+    gemma = pair.case.family in GEMMA
+    if gemma:  # Mistral lists layer_types too, all "full_attention", and windows every layer anyway
+        windowed = [config.window_of(i) is not None for i in range(config.num_layers)]
+        assert windowed == [kind == "sliding_attention" for kind in hf.layer_types]
+    assert (config.embed_scale, config.unit_offset_norms, config.sandwich_norms) == (gemma, gemma, gemma)
+    assert config.activation == ("gelu_tanh" if gemma else "silu")
+    if gemma:
+        assert config.attn_scale == hf.query_pre_attn_scalar**-0.5
+        assert (config.attn_softcap, config.logit_softcap) == (hf.attn_logit_softcapping, hf.final_logit_softcapping)
     biases = {name.rsplit(".", 2)[-2] for name, _ in pair.hf.named_parameters() if name.endswith("proj.bias")}
     assert {"q_proj", "k_proj", "v_proj"} <= biases if config.qkv_bias else not biases & {"q_proj", "k_proj", "v_proj"}
     assert ("o_proj" in biases) == config.out_bias
@@ -230,13 +284,20 @@ def test_config_matches(pair: Pair) -> None:
 def test_rope_frequencies_match_transformers(pair: Pair) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = pair.hf.config.rope_parameters.get("rope_type", "default")
-    if rope_type == "default":
-        expected = pair.hf.model.rotary_emb.inv_freq
-    else:
-        expected, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](pair.hf.config, torch.device("cpu"))
-        assert attention_factor == pytest.approx(pair.ours.config.rope_scaling.attention_scale, rel=1e-12)
     config = pair.ours.config
+    rotary = pair.hf.model.rotary_emb
+    if config.local_rope_base is not None:  # Gemma 3: a table per layer type
+        local = inverse_frequencies(config.head_dim, config.local_rope_base)
+        torch.testing.assert_close(local, rotary.sliding_attention_inv_freq, rtol=0, atol=0)
+        assert (pair.ours.local_rope.base, pair.ours.local_rope.scaling) == (config.local_rope_base, None)
+        expected = rotary.full_attention_inv_freq
+    else:
+        rope_type = pair.hf.config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            expected = rotary.inv_freq
+        else:
+            expected, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](pair.hf.config, torch.device("cpu"))
+            assert attention_factor == pytest.approx(pair.ours.config.rope_scaling.attention_scale, rel=1e-12)
     actual = inverse_frequencies(config.head_dim, config.rope_base, config.rope_scaling)
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
@@ -252,8 +313,9 @@ def test_fp32_logits_match(pair: Pair) -> None:
 def test_fp32_left_padded_logits_match(pair: Pair) -> None:
     tokens, mask = _left_padded(_prompts(128))
     with torch.no_grad():
-        expected = pair.hf(tokens, attention_mask=mask.long()).logits
-        actual = pair.ours(tokens, input_pos=attn.padding_positions(mask), mask=attn.padded_causal_mask(mask))
+        positions = attn.padding_positions(mask)  # both sides: RoPE's shift invariance is not exact in floats
+        expected = pair.hf(tokens, attention_mask=mask.long(), position_ids=positions).logits
+        actual = pair.ours(tokens, input_pos=positions, mask=attn.padded_causal_mask(mask))
     torch.testing.assert_close(actual[mask], expected[mask])  # padded rows are garbage on both sides
 
 
@@ -327,11 +389,13 @@ def test_transformers_loads_what_attn_saves(tmp_path: Path, case: OracleCase) ->
     ours = load_pretrained(_saved_hf(case, tmp_path / "hf"))
     directory = save_pretrained(ours, tmp_path / "attn")
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert type(hf).__name__ == f"{case.family}ForCausalLM"
+    assert type(hf).__name__ == case.model_class_name
     saved = json.loads((directory / "config.json").read_text())
-    assert saved["rope_parameters"] == {"rope_theta": ours.config.rope_base, "rope_type": "default"} | case.hf.get(
-        "rope_parameters", {}
-    )
+    written = case.hf.get("rope_parameters", {})
+    if "full_attention" not in written:
+        assert saved["rope_parameters"] == {"rope_theta": ours.config.rope_base, "rope_type": "default"} | written
+    else:
+        assert saved["rope_parameters"] == written
     assert load_pretrained(directory).config == ours.config
     tokens = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

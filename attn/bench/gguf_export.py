@@ -48,6 +48,14 @@ ARCHITECTURE = "llama"
 """The llama.cpp architecture the file declares."""
 
 GGML_TYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# DecoderConfig's Gemma options, each at the value the llama architecture has.
+GEMMA_FIELDS = {
+    name: DecoderConfig.__dataclass_fields__[name].default
+    for name in (
+        "embed_scale", "unit_offset_norms", "activation", "sandwich_norms", "attn_scale", "attn_softcap",
+        "logit_softcap", "window_layers", "local_rope_base",
+    )
+}  # fmt: skip
 """Model dtype -> the GGML type (``gguf.GGMLQuantizationType`` name) its matrices are written in."""
 
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: llama.cpp's defaults for a SentencePiece vocab
@@ -57,6 +65,9 @@ def unsupported(config: DecoderConfig, dtype: torch.dtype) -> str | None:
     """Why ``config`` in ``dtype`` cannot be written as a llama.cpp ``llama`` model, or ``None``."""
     if config.qk_norm:
         return "the config has q/k norms (qk_norm, Qwen3), which llama.cpp's llama architecture does not have"
+    gemma = {name: getattr(config, name) for name, plain in GEMMA_FIELDS.items() if getattr(config, name) != plain}
+    if gemma:
+        return f"the config has Gemma's options ({gemma}), which llama.cpp's llama architecture does not have"
     if config.sliding_window is not None:
         return (
             f"the config has a sliding window ({config.sliding_window}), which llama.cpp's llama "
