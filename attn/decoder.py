@@ -402,7 +402,7 @@ class TransformerDecoder(nn.Module):
         mask: torch.Tensor | None = None,
         last_only: bool = False,
         use_cache: bool | None = None,
-        checked: bool = False,
+        checked: bool | None = None,
     ) -> torch.Tensor:
         """Logits for every position of ``tokens``, or for the last one.
 
@@ -422,16 +422,21 @@ class TransformerDecoder(nn.Module):
                 (b, s, v) tensor.
             use_cache: the decision, made by the caller with ``self.uses_cache(s)`` (for a
                 ``fullgraph`` compile); ``None`` (the default) decides here.
-            checked: the caller has checked the token ids and the cache capacity for this
-                pass (``attn.generate`` does, once per generation); skips the host reads
-                those checks cost.
+            checked: deprecated: a loop that checked its ids and capacity up front runs its
+                passes in ``with model.cache_state.checked_up_front():`` (``attn.generate``
+                does), which skips the host reads those checks cost.
 
         Returns:
             (b, s, v) logits, in the model's dtype; (b, 1, v) with ``last_only``.
         """
+        if checked is not None:
+            _warn_checked("TransformerDecoder.forward")
+            if checked:
+                with self.cache_state.checked_up_front():
+                    return self(tokens, input_pos=input_pos, mask=mask, last_only=last_only, use_cache=use_cache)
         if not isinstance(last_only, bool):
             raise TypeError(f"last_only must be a bool, got {last_only!r}")
-        self.check_tokens(tokens, checked=checked)
+        self.check_tokens(tokens)
         b, s = tokens.shape
         state = self.cache_state
         if not torch.compiler.is_compiling():  # eager code only: no graph can guard a thread
@@ -455,7 +460,6 @@ class TransformerDecoder(nn.Module):
             mask=mask,
             window=None if any(self.local_layers) else self.config.sliding_window,
             local=self._local_plan_options(),
-            checked=checked,
         )  # checks before any write
         run = self._parity_logits if self.parity else self._logits
         if plan.slots is None:
@@ -527,9 +531,10 @@ class TransformerDecoder(nn.Module):
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def check_tokens(self, tokens: torch.Tensor, *, checked: bool = False) -> None:
+    def check_tokens(self, tokens: torch.Tensor) -> None:
         """Raises unless ``tokens`` is a (b, s) integer tensor of ids in ``[0, vocab_size)``;
-        the id range (one host read) is skipped where ``checked`` or under ``torch.compile``."""
+        the id range (one host read) is skipped under ``torch.compile`` and inside
+        ``cache_state.checked_up_front()`` (``CacheState.skips_checks``)."""
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of ids, got {type(tokens).__name__}")
         if tokens.dim() != 2:
@@ -541,13 +546,22 @@ class TransformerDecoder(nn.Module):
             raise ValueError(f"tokens must be integer ids (torch.long), got dtype {tokens.dtype}")
         if tokens.shape[1] == 0:
             raise ValueError(f"tokens has no positions: shape {tuple(tokens.shape)}")
-        if not checked and not torch.compiler.is_compiling():
+        if not self.cache_state.skips_checks():
             low, high = torch.stack((tokens.min(), tokens.max())).tolist()  # one host read
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
                     f"token ids must be in [0, {self.config.vocab_size}), got min {low} and max "
                     f"{high}; check the tokenizer matches the model's vocab_size"
                 )
+
+
+def _warn_checked(caller: str) -> None:
+    warnings.warn(
+        f"{caller}(checked=...) is deprecated: run the passes of a loop that checked its token ids and cache "
+        "capacity up front inside `with model.cache_state.checked_up_front():`",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def decoder_of(model: nn.Module, caller: str) -> TransformerDecoder:

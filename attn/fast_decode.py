@@ -59,6 +59,7 @@ import hashlib
 import inspect
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -514,25 +515,36 @@ class DecodeCompiled(nn.Module):
         _mark_cache_length_dynamic(state if fresh else None, mask)
 
     def forward(
-        self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool = False, **kwargs: Any
+        self, tokens: torch.Tensor, *, use_cache: bool | None = None, checked: bool | None = None, **kwargs: Any
     ) -> torch.Tensor:
         """Same contract as ``TransformerDecoder.forward``; (b, 1) tokens run compiled.
 
         The cache decision and the capacity check run here, in eager code, and the compiled
         step (``fullgraph``) takes the decision as a bool: a plain ``torch.inference_mode()``
-        decode loop runs it as ``attn.generate`` does, with no graph break.
+        decode loop runs it as ``attn.generate`` does, with no graph break. ``checked`` is
+        deprecated as the model's is (``CacheState.checked_up_front``).
         """
+        state = self.model.cache_state
+        if checked is not None:
+            warnings.warn(
+                "DecodeCompiled.forward(checked=...) is deprecated: run the passes of a loop that checked its "
+                "token ids and cache capacity up front inside `with model.cache_state.checked_up_front():`",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if checked:
+                with state.checked_up_front():
+                    return self(tokens, use_cache=use_cache, **kwargs)
         if tokens.dim() != 2 or tokens.shape[1] != 1:
-            return self.model(tokens, use_cache=use_cache, checked=checked, **kwargs)
+            return self.model(tokens, use_cache=use_cache, **kwargs)
         _refuse_parity_mode(self.model)
-        check_holder(self.model.cache_state)  # eager: the compiled step cannot tell threads apart
-        self.model.check_tokens(tokens, checked=checked)  # the eager error, not one from inside the step
+        check_holder(state)  # eager: the compiled step cannot tell threads apart
+        self.model.check_tokens(tokens)  # the eager error, not one from inside the step
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
-        if use_cache and not checked:  # before anything is written
+        if use_cache and not state.prechecked:  # before anything is written
             span = self.model.check_cache_capacity(tokens.shape[0], 1, kwargs.get("mask"))
             if kwargs.get("mask") is None:  # the eager model's default, over the span it read: not every slot
-                state = self.model.cache_state
                 kwargs["input_pos"], kwargs["mask"] = positions_and_mask(
                     state, state.query_slots(1), 1, tokens.device, kwargs.get("input_pos"), None, span=span
                 )
@@ -540,7 +552,7 @@ class DecodeCompiled(nn.Module):
             self._follow_cache_length(kwargs.get("mask"))
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
-        step = functools.partial(self._step, tokens, use_cache=use_cache, checked=True, **kwargs)
+        step = functools.partial(self._step, tokens, use_cache=use_cache, **kwargs)
         with compat.compile_regions(), _step_options(limit):
             return self.model.all_layers_or_none(step) if use_cache else step()
 

@@ -314,13 +314,13 @@ def _decode(
     device = prompt_tokens.device
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     all_logits = []
-    with cached_passes(model):
+    # Ids and capacity were checked up front: the passes make no host reads of their own.
+    with cached_passes(model), model.cache_state.checked_up_front():
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, n)
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
         mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, n)
-        # Ids and capacity were checked up front: the steps make no host reads of their own.
-        logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True, checked=True)[:, -1]  # (b, v)
+        logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
         if num_samples > 1:  # every row from here on is one sample: b becomes b * G
             model.fork_caches(num_samples)
@@ -347,7 +347,7 @@ def _decode(
             # A fresh (b, 1) tensor, not a slice of new_tokens: a changing storage offset
             # would make torch.compile recompile the decode step.
             step_mask = slot_mask(key_valid, slot)  # (b, 1, n)
-            logits = model(token[:, None], input_pos=next_pos, mask=step_mask, checked=True)[:, -1]  # (b, v)
+            logits = model(token[:, None], input_pos=next_pos, mask=step_mask)[:, -1]  # (b, v)
             next_pos = next_pos + 1
     logits_out = None
     if return_logits:

@@ -17,7 +17,8 @@ A pass may attend over the first slots only: eager passes over the filled slots 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -58,6 +59,8 @@ class CacheState(nn.Module):
         chunk_end: the fill a prefill chunk under plain inference mode left, while the next
             chunk may continue it; ``None`` once anything else wrote or moved the cache
             (``attn.policy.inference_mode_decides``).
+        prechecked: inside ``checked_up_front()``: eager passes skip the token-id and capacity
+            checks, which their caller made once for the whole block.
         fill: tokens written so far, a 0-dim long tensor (``size`` reads it).
         slot_ids: ``arange(L)``; its length is the capacity, read from a shape so that a
             compiled step with that dim marked dynamic serves every cache length.
@@ -72,6 +75,7 @@ class CacheState(nn.Module):
         self.holder: int | None = None
         self.caches: list[KVCache] = []
         self.chunk_end: int | None = None
+        self.prechecked = False
         self.register_buffer("fill", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("slot_ids", torch.zeros(0, dtype=torch.long), persistent=False)
         self.register_buffer("row_ids", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -126,6 +130,25 @@ class CacheState(nn.Module):
         self.fill.zero_()
 
     # -- checks, before anything is written ----------------------------------------------
+
+    @contextmanager
+    def checked_up_front(self) -> Iterator[None]:
+        """The block's passes skip the token-id and capacity checks (a host read each; on a GPU,
+        a wait for every queued kernel): for a loop that checked its whole run before it.
+        ``attn.generate`` and ``attn.score_continuations`` open it inside the block that holds
+        the model (``attn.threads``), so no other thread's pass runs unchecked meanwhile."""
+        before = self.prechecked
+        self.prechecked = True
+        try:
+            yield
+        finally:
+            self.prechecked = before
+
+    def skips_checks(self) -> bool:
+        """Does a pass made now skip the host-read checks? Under ``torch.compile`` always (a
+        graph reads nothing back; and the flag is never read there, so no guard is put on
+        it), in eager code inside ``checked_up_front()``."""
+        return torch.compiler.is_compiling() or self.prechecked
 
     def check_rows(self, batch_size: int) -> None:
         """Raises unless caches are set up and hold ``batch_size`` rows."""

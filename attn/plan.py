@@ -5,10 +5,11 @@ the cache; the first n cache slots with it).
 
 An entry point (``TransformerDecoder.forward``, a ``MultiHeadAttention`` used on its own)
 decides whether the pass uses the cache (``attn.policy``), then ``plan_pass`` does the rest
-once: it checks the caller's positions and mask (and, in eager code, the cache's capacity,
-before anything is written), fills in the defaults, applies the sliding window, gathers the
-RoPE rows for the positions and, with the cache, the slots the layers write. The layers take
-the plan and only compute; the entry point advances the model's fill once, after them.
+once: it checks the caller's positions and mask (and, in eager code outside
+``CacheState.checked_up_front()``, the cache's capacity, before anything is written), fills
+in the defaults, applies the sliding window, gathers the RoPE rows for the positions and,
+with the cache, the slots the layers write. The layers take the plan and only compute; the
+entry point advances the model's fill once, after them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ def plan_pass(
     mask: torch.Tensor | None,
     window: int | None,
     local: tuple[int, RotaryEmbedding] | None = None,
-    checked: bool = False,
 ) -> PassPlan:
     """The plan of a pass of ``seq_len`` new tokens per row over ``batch_size`` rows.
 
@@ -65,8 +65,6 @@ def plan_pass(
         window: the sliding window in slots every layer applies, or None.
         local: the window and RoPE of the layers that have a window where others do not
             (``PassPlan.local``), or None.
-        checked: the caller checked this pass's capacity already (``attn.generate`` does,
-            once per generation); skips that host read.
 
     Raises:
         ValueError, RuntimeError: bad positions or mask, or tokens that do not fit the
@@ -74,7 +72,7 @@ def plan_pass(
     """
     cache = state if use_cache else None
     check_pass_inputs(input_pos, mask, batch_size, seq_len, cache)
-    span = None if cache is None or checked else check_cached_pass(cache, batch_size, seq_len, mask)
+    span = None if cache is None or cache.skips_checks() else check_cached_pass(cache, batch_size, seq_len, mask)
     device = rope.cos_sin.device
     query_slots = None if cache is None else cache.query_slots(seq_len)  # (s,)
     input_pos, mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, window, span)

@@ -84,9 +84,13 @@ def score_continuations(
     longest = max(map(len, continuations))
     device = model.tok_embeddings.weight.device
     scores: list[ContinuationScore] = []
-    with local_kv_cache(model, batch_size=1, max_seq_len=len(context) + longest - 1), cached_passes(model):
+    with (
+        local_kv_cache(model, batch_size=1, max_seq_len=len(context) + longest - 1),
+        cached_passes(model),
+        model.cache_state.checked_up_front(),  # ids and lengths checked above: no host reads a pass
+    ):
         prompt = torch.tensor([context], device=device)  # (1, C)
-        first = model(prompt, last_only=True, checked=True)[0, -1].float().log_softmax(-1)  # (v,)
+        first = model(prompt, last_only=True)[0, -1].float().log_softmax(-1)  # (v,)
         model.select_caches([0] * rows)  # the context, r times
         for start in range(0, len(continuations), rows):
             chunk = continuations[start : start + rows]
@@ -110,7 +114,7 @@ def _score_chunk(
     if longest > 1:
         # Continuation tokens 0..m-2 predict tokens 1..m-1; right padding comes after every
         # real token, so causal attention keeps it out of the real positions.
-        rest = model(targets[:, :-1], checked=True).float().log_softmax(-1)  # (r, m - 1, v)
+        rest = model(targets[:, :-1]).float().log_softmax(-1)  # (r, m - 1, v)
         logprobs = torch.cat((logprobs, rest), dim=1)  # (r, m, v)
     chosen = logprobs.gather(-1, targets[..., None]).squeeze(-1)  # (r, m)
     totals = torch.where(valid, chosen, 0.0).sum(-1)  # (r,)

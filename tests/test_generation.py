@@ -407,3 +407,39 @@ def test_a_failed_generate_leaves_the_callers_caches_set_up_as_it_found_them(fai
     again = generate(model, prompts, max_new_tokens=4, num_samples=3)  # the identical call now runs
     model.teardown_caches()
     assert torch.equal(again.tokens, generate(model, prompts, max_new_tokens=4, num_samples=3).tokens)
+
+
+def test_passes_checked_up_front_make_no_host_reads_and_the_block_ends_cleanly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cache_state.checked_up_front()`` is how a loop skips the per-pass checks (it replaced
+    the ``checked=`` argument): inside, a prefill makes no host read of its own; after it, even
+    one left by an error, the checks are back."""
+    model = tiny_model(12, num_layers=2)
+    model.setup_caches(1, 64)
+    counter = HostSyncCounter(monkeypatch)
+    state = model.cache_state
+    with torch.inference_mode(), state.checked_up_front():
+        model(torch.randint(0, 61, (1, 3)), mask=torch.ones(3, 64, dtype=torch.bool).tril(2))
+    assert counter.count == 1  # the chunked-prefill trap's one read; no id range, no capacity
+    with pytest.raises(RuntimeError, match="boom"), state.checked_up_front():
+        raise RuntimeError("boom")
+    assert state.prechecked is False
+    with (
+        torch.inference_mode(),
+        pytest.raises(ValueError, match=r"token ids must be in \[0, 61\), got min 0 and max 61"),
+    ):
+        model(torch.tensor([[0, 61]]))
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_the_checked_argument_is_deprecated_and_still_honoured(checked: bool) -> None:
+    model = tiny_model(12, num_layers=2)
+    tokens = torch.tensor([[1, 2, 3]])
+    with pytest.warns(DeprecationWarning, match=r"checked=\.\.\.\) is deprecated: .*checked_up_front"):
+        logits = model(tokens, checked=checked)
+    torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)
+    assert model.cache_state.prechecked is False
+    fast = attn.compile_for_decode(model)
+    with pytest.warns(DeprecationWarning, match=r"DecodeCompiled.forward\(checked=\.\.\.\) is deprecated"):
+        fast(tokens, checked=checked)  # a multi-token pass: the model's, eager
