@@ -24,7 +24,8 @@ from torch import nn
 from attn.casts import cast
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
-from attn.plan import PassPlan, plan_pass
+from attn.parity import exact_attention
+from attn.plan import Kernel, PassPlan, plan_pass
 from attn.policy import uses_cache
 from attn.rope import RotaryEmbedding, rotate_by
 from attn.threads import check_holder
@@ -195,7 +196,10 @@ class MultiHeadAttention(nn.Module):
             check_holder(state)
         if use_cache is None:
             use_cache = uses_cache(state, s)
-        plan = plan_pass(state, use_cache, b, s, self.rope, input_pos=input_pos, mask=mask, window=self.sliding_window)
+        kernel = "sdpa" if self.softcap is None else "softcap"
+        plan = plan_pass(
+            state, use_cache, b, s, self.rope, input_pos=input_pos, mask=mask, window=self.sliding_window, kernel=kernel
+        )
         out = self.compute(x, plan)
         if plan.slots is not None:
             state.advance(s)
@@ -208,7 +212,7 @@ class MultiHeadAttention(nn.Module):
         if plan.slots is not None and plan.mask is not None:  # a cached pass always has a mask
             k, v = self.kv_cache.write(plan.slots, k, v, span=plan.mask.shape[-1])  # each (b, h_kv, L, d)
             q = cast(q, k.dtype)
-        return self.attend(q, k, v, plan.mask, x.dtype)
+        return self.attend(q, k, v, plan.mask, x.dtype, plan.kernel)
 
     def project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of ``x`` (b, s, e), rotated by the plan's ``rotation``
@@ -224,19 +228,25 @@ class MultiHeadAttention(nn.Module):
         return rotate_by(q, cos, signed_sin), rotate_by(k, cos, signed_sin), v
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: Kernel,
     ) -> torch.Tensor:
         """``q`` (b, h, s, d) over ``k``, ``v`` (b, h_kv, L, d) under ``mask`` ((b, s, L) or (s,
-        L) bool; None: causal, s == L), through the output projection: (b, s, e) in ``dtype``."""
+        L) bool; None: causal, s == L) with ``kernel`` (``attn.plan.Kernel``), through the
+        output projection: (b, s, e) in ``dtype``."""
         b, _, s, _ = q.shape
         gqa = self.num_heads != self.num_kv_heads
         attn_mask = None if mask is None else mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
-        if self.softcap is not None:
+        if kernel == "softcap":
             out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=gqa)
+            sdpa = exact_attention if kernel == "exact" else F.scaled_dot_product_attention
+            out = sdpa(q, k, v, attn_mask=attn_mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, h * d)
         return self.o_proj(cast(out, dtype))
 

@@ -26,7 +26,7 @@ from attn.checks import check_positive_int, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.parity import ParityKernels
-from attn.plan import PassPlan, check_cached_pass, check_pass_inputs, plan_pass
+from attn.plan import Kernel, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
@@ -460,6 +460,7 @@ class TransformerDecoder(nn.Module):
             mask=mask,
             window=None if any(self.local_layers) else self.config.sliding_window,
             local=self._local_plan_options(),
+            kernel=self.attention_kernel(),
         )  # checks before any write
         run = self._parity_logits if self.parity else self._logits
         if plan.slots is None:
@@ -498,9 +499,17 @@ class TransformerDecoder(nn.Module):
             return self._logits(*args)
 
     def kernels(self) -> contextlib.AbstractContextManager[object]:
-        """The kernels this model's passes run with: parity mode's (``attn.parity``) or the
-        default ones. Every forward, and ``attn.completion_logprobs``, runs inside it."""
+        """The linear and activation kernels this model's passes run with: parity mode's
+        (``attn.parity``) or the default ones. Every forward, and ``attn.completion_logprobs``,
+        runs inside it; the attention kernel is the plan's (``attention_kernel``)."""
         return ParityKernels() if self.parity else contextlib.nullcontext()
+
+    def attention_kernel(self) -> Kernel:
+        """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's
+        exact one, Gemma 2's soft-capped one, or torch's fused kernels."""
+        if self.parity:
+            return "exact"
+        return "sdpa" if self.config.attn_softcap is None else "softcap"
 
     def _local_plan_options(self) -> tuple[int, RotaryEmbedding] | None:
         """The window and RoPE of the layers that run the plan's ``local`` part, or None."""

@@ -132,6 +132,7 @@ def _shared_prefix_hidden(
         completion_mask = _slot_mask(keys_valid, completion_slots, torch.arange(P + N, device=device), window)
         return prompt_mask, completion_mask, rope.rotation(prompt_pos), rope.rotation(completion_pos)
 
+    kernel = model.attention_kernel()
     plans = {}  # (window, RoPE) -> (B, P, P), (R, N, P + N), (2, B, 1, P, d), (2, R, 1, N, d)
     prompt_h = model.embed(prompt_tokens)  # (B, P, e)
     completion_h = model.embed(completion_tokens)  # (R, N, e)
@@ -147,9 +148,9 @@ def _shared_prefix_hidden(
         q_c, k_c, v_c = attention.project(layer.attn_norm(completion_h), completion_rotation)  # (R, h, N, d), ...
         k = torch.cat((k_p.repeat_interleave(rows_per_prompt, 0), k_c), dim=2)  # (R, h_kv, P + N, d)
         v = torch.cat((v_p.repeat_interleave(rows_per_prompt, 0), v_c), dim=2)  # (R, h_kv, P + N, d)
-        prompt_h = layer.add_attention(prompt_h, attention.attend(q_p, k_p, v_p, prompt_mask, prompt_h.dtype))
+        prompt_h = layer.add_attention(prompt_h, attention.attend(q_p, k_p, v_p, prompt_mask, prompt_h.dtype, kernel))
         completion_h = layer.add_attention(
-            completion_h, attention.attend(q_c, k, v, completion_mask, completion_h.dtype)
+            completion_h, attention.attend(q_c, k, v, completion_mask, completion_h.dtype, kernel)
         )
         prompt_h = layer.add_mlp(prompt_h)
         completion_h = layer.add_mlp(completion_h)

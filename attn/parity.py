@@ -9,22 +9,23 @@ d = head dim, M = rows of a product, K = its inner dim, N = its output dim.
 The default kernels are not invariant: a linear's row depends on how many rows the product
 has (MKL and oneDNN choose their kernels by shape, measured in docs/parity.md), and a fused
 attention kernel sums one query's keys in another order than many queries'. Parity mode
-swaps three functions while a model's forward runs (``ParityKernels``, a
-``TorchFunctionMode``, so adapters' linears such as peft's LoRA are covered too):
+computes them otherwise while a model's forward runs:
 
-- ``F.linear``: the rows go through products of exactly ``ROWS`` rows each (the last one
-  zero-padded), so every row meets the same kernel, whatever the pass's row count
-  (``invariant_linear``).
-- ``F.scaled_dot_product_attention``: the scores and the weighted sum in float64
-  (``exact_attention``). A product of two bf16 (or fp32) numbers is exact in float64 and the
-  sums carry 29 bits more than an fp32 result keeps, so the order in which keys are summed,
-  how many masked keys a pass carries, and where padding puts them change nothing once the
-  result is rounded back.
-- ``F.silu`` and ``F.gelu`` (Gemma's GeGLU): in float64 too, for the same reason (a
-  vectorised and a scalar ``exp`` may differ in the last bit, and which one an element meets
-  depends on the tensor's size).
+- linears (``F.linear``, swapped by ``ParityKernels``, a ``TorchFunctionMode``, so adapters'
+  linears such as peft's LoRA are covered too): the rows go through products of exactly
+  ``ROWS`` rows each (the last one zero-padded), so every row meets the same kernel, whatever
+  the pass's row count (``invariant_linear``).
+- attention: the pass plan's ``exact`` kernel (``attn.plan.Kernel``; the model's
+  ``attention_kernel()`` chooses it in parity mode): the scores and the weighted sum in float64
+  (``exact_attention``, SDPA's arguments). A product of two bf16 (or fp32) numbers is exact in
+  float64 and the sums carry 29 bits more than an fp32 result keeps, so the order in which
+  keys are summed, how many masked keys a pass carries, and where padding puts them change
+  nothing once the result is rounded back.
+- ``F.silu`` and ``F.gelu`` (Gemma's GeGLU), swapped by ``ParityKernels``: in float64 too, for
+  the same reason (a vectorised and a scalar ``exp`` may differ in the last bit, and which one
+  an element meets depends on the tensor's size).
 
-Gemma 2's soft-capped attention is not SDPA: ``set_parity_mode`` refuses a model with it.
+Gemma 2's soft-capped attention has no exact kernel yet: ``set_parity_mode`` refuses it.
 
 Every other op in the model is an exact IEEE operation or a per-row reduction whose order
 does not depend on the row count. The price is speed (``python -m attn bench --parity``);
@@ -212,12 +213,11 @@ def _exact_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 class ParityKernels(TorchFunctionMode):
-    """While active, ``F.linear``, ``F.scaled_dot_product_attention``, ``F.silu`` and
-    ``F.gelu`` run their parity-mode forms (the module doc); every other function runs as it is."""
+    """While active, ``F.linear``, ``F.silu`` and ``F.gelu`` run their parity-mode forms (the
+    module doc); every other function runs as it is. Attention is the plan's choice."""
 
     _SWAPS: ClassVar[dict[object, object]] = {
         F.linear: invariant_linear,
-        F.scaled_dot_product_attention: exact_attention,
         F.silu: _exact_silu,
         F.gelu: _exact_gelu,
     }

@@ -3,6 +3,9 @@
 Shapes: b = batch, s = new tokens, d = head dim, n = key slots a query may see (s without
 the cache; the first n cache slots with it).
 
+The plan is where a pass's computation is chosen: positions, masks, RoPE rows, the slots it
+writes, and its attention kernel.
+
 An entry point (``TransformerDecoder.forward``, a ``MultiHeadAttention`` used on its own)
 decides whether the pass uses the cache (``attn.policy``), then ``plan_pass`` does the rest
 once: it checks the caller's positions and mask (and, in eager code outside
@@ -14,14 +17,19 @@ entry point advances the model's fill once, after them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
 from attn.kv_cache import CacheState, attended_slots
 from attn.rope import RotaryEmbedding
 
-__all__ = ["PassPlan", "check_pass_inputs", "plan_pass", "positions_and_mask"]
+__all__ = ["Kernel", "PassPlan", "check_pass_inputs", "plan_pass", "positions_and_mask"]
+
+Kernel = Literal["sdpa", "softcap", "exact"]
+"""How a pass computes attention: ``sdpa``, torch's fused kernels; ``softcap``, scores
+soft-capped before the softmax (Gemma 2: ``attn.attention.softcapped_attention``); ``exact``,
+parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
 
 
 class PassPlan(NamedTuple):
@@ -40,6 +48,8 @@ class PassPlan(NamedTuple):
     """The plan of the layers a sliding window applies to, where only some have one (Gemma):
     the same slots, the mask ANDed with the window and, with a RoPE of their own (Gemma 3),
     their rotation. The decoder hands each layer its part; ``None``: one plan for all."""
+    kernel: Kernel = "sdpa"
+    """The attention kernel every layer runs (``Kernel``): the entry point's choice."""
 
 
 def plan_pass(
@@ -53,6 +63,7 @@ def plan_pass(
     mask: torch.Tensor | None,
     window: int | None,
     local: tuple[int, RotaryEmbedding] | None = None,
+    kernel: Kernel = "sdpa",
 ) -> PassPlan:
     """The plan of a pass of ``seq_len`` new tokens per row over ``batch_size`` rows.
 
@@ -65,6 +76,7 @@ def plan_pass(
         window: the sliding window in slots every layer applies, or None.
         local: the window and RoPE of the layers that have a window where others do not
             (``PassPlan.local``), or None.
+        kernel: the attention kernel (``Kernel``).
 
     Raises:
         ValueError, RuntimeError: bad positions or mask, or tokens that do not fit the
@@ -79,11 +91,11 @@ def plan_pass(
     slots = None if cache is None else cache.write_slots(query_slots)
     rotation = rope.rotation(input_pos)
     if local is None:
-        return PassPlan(rotation, mask, slots)
+        return PassPlan(rotation, mask, slots, kernel=kernel)
     local_window, local_rope = local
     _, local_mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, local_window, span)
     local_rotation = rotation if local_rope is rope else local_rope.rotation(input_pos)
-    return PassPlan(rotation, mask, slots, PassPlan(local_rotation, local_mask, slots))
+    return PassPlan(rotation, mask, slots, PassPlan(local_rotation, local_mask, slots, kernel=kernel), kernel)
 
 
 def check_cached_pass(state: CacheState, b: int, s: int, mask: torch.Tensor | None) -> int | None:

@@ -149,3 +149,25 @@ def test_gemma_layers_take_their_part_of_one_plan(monkeypatch: pytest.MonkeyPatc
     whole = plans[1]
     assert whole.local is not None and [plan is whole.local for plan in plans] == [True, False, True, False]
     assert all(plan is whole for plan in plans[1::2])
+
+
+@pytest.mark.parametrize(
+    ("options", "parity", "kernel"),
+    [({}, False, "sdpa"), ({}, True, "exact"), (GEMMA_OPTIONS["gemma2"], False, "softcap")],
+)
+def test_the_plan_chooses_the_attention_kernel(
+    monkeypatch: pytest.MonkeyPatch, options: dict, parity: bool, kernel: str
+) -> None:
+    model = tiny_model(4, **options)
+    attn.set_parity_mode(model, parity)
+    chosen = []
+    original_attend = attn.MultiHeadAttention.attend
+
+    def record(self: attn.MultiHeadAttention, *args: object) -> torch.Tensor:
+        chosen.append(args[-1])
+        return original_attend(self, *args)
+
+    monkeypatch.setattr(attn.MultiHeadAttention, "attend", record)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert chosen == [kernel] * model.config.num_layers
