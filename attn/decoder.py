@@ -33,11 +33,8 @@ from attn.threads import check_holder
 
 __all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-"""The MLP gates ``DecoderConfig.activation`` names."""
+ACTIVATIONS = ("silu", "gelu_tanh")
+"""The MLP gates ``DecoderConfig.activation`` names: SiLU (SwiGLU), tanh-approximated GELU (GeGLU)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +131,7 @@ class DecoderConfig:
             if value is not None and (not is_number(value) or not 0 < value < math.inf):
                 raise ValueError(f"DecoderConfig.{name} must be a finite positive number or None, got {value!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"DecoderConfig.activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+            raise ValueError(f"DecoderConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.window_layers is not None or self.local_rope_base is not None:
             self._check_window_layers()
 
@@ -172,10 +169,12 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation  # a name, not a function: the module pickles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

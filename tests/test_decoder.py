@@ -200,6 +200,19 @@ def test_teardown() -> None:
         (dict(max_seq_len=-2), r"DecoderConfig.max_seq_len must be a positive int, got -2"),
         (dict(head_dim=5), r"head_dim must be a positive even int"),
         (dict(norm_eps=0.0), r"DecoderConfig.norm_eps must be a finite positive number, got 0.0"),
+        (dict(activation="gelu"), r"DecoderConfig.activation must be one of \('silu', 'gelu_tanh'\), got 'gelu'"),
+        (dict(attn_softcap=0.0), r"DecoderConfig.attn_softcap must be a finite positive number or None, got 0.0"),
+        (dict(window_layers=(0,)), r"describe windowed layers, but sliding_window is None; set sliding_window"),
+        (
+            dict(local_rope_base=1e4),
+            r"local_rope_base \(10000.0\) describe windowed layers, but sliding_window is None",
+        ),
+        (
+            dict(sliding_window=4, window_layers=(1, 0)),
+            r"a tuple of distinct layer indices in increasing order, each in \[0, 2\), got \(1, 0\)",
+        ),
+        (dict(sliding_window=4, window_layers=[0]), r"window_layers must be a tuple .* got \[0\]"),
+        (dict(sliding_window=4, window_layers=(2,)), r"each in \[0, 2\), got \(2,\)"),
     ],
 )
 def test_bad_config(overrides: dict, message: str) -> None:
