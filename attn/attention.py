@@ -244,9 +244,12 @@ class MultiHeadAttention(nn.Module):
         attn_mask = None if mask is None else mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
         if kernel == "softcap":
             out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
+        elif kernel == "exact":
+            out = exact_attention(q, k, v, attn_mask, self.scale)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            sdpa = exact_attention if kernel == "exact" else F.scaled_dot_product_attention
-            out = sdpa(q, k, v, attn_mask=attn_mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, h * d)
         return self.o_proj(cast(out, dtype))
 

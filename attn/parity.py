@@ -17,7 +17,7 @@ computes them otherwise while a model's forward runs:
   the pass's row count (``invariant_linear``).
 - attention: the pass plan's ``exact`` kernel (``attn.plan.Kernel``; the model's
   ``attention_kernel()`` chooses it in parity mode): the scores and the weighted sum in float64
-  (``exact_attention``, SDPA's arguments). A product of two bf16 (or fp32) numbers is exact in
+  (``exact_attention``). A product of two bf16 (or fp32) numbers is exact in
   float64 and the sums carry 29 bits more than an fp32 result keeps, so the order in which
   keys are summed, how many masked keys a pass carries, and where padding puts them change
   nothing once the result is rounded back.
@@ -163,40 +163,29 @@ def _head_mask(mask: torch.Tensor, b: int, h: int, h_kv: int, s: int, L: int) ->
 
 
 def exact_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (its arguments) computed in float64, so that a
-    query's result does not depend on how many queries, keys or masked slots the pass has.
+    """Attention with its scores and weighted sums in float64, so that a query's result does
+    not depend on how many queries, keys or masked slots the pass has (the ``exact`` kernel of
+    ``attn.plan.Kernel``).
 
     Args:
         q: (b, h, s, d).
         k, v: (b, h_kv, L, d), h a multiple of h_kv.
-        attn_mask: bool, True where a query may attend, broadcastable to (b, h, s, L).
-        is_causal: query i attends to keys 0..i (s == L).
+        mask: bool, True where a query may attend, broadcastable to (b, h, s, L); None:
+            causal, query i attends to keys 0..i (s == L).
+        scale: what q.k is multiplied by; None: ``d ** -0.5``.
 
     Returns:
         (b, h, s, d) in q's dtype. A query with no key to attend gets zeros (SDPA: NaN or 0).
     """
-    if dropout_p:
-        raise ValueError(f"parity mode runs attention without dropout, got dropout_p={dropout_p}")
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        raise ValueError(f"parity mode takes a bool attention mask, got {attn_mask.dtype}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"parity mode takes a bool attention mask, got {mask.dtype}")
     b, h, s, d = q.shape
     h_kv, L = k.shape[1], k.shape[2]
-    if h != h_kv and not enable_gqa:
-        raise ValueError(f"{h} query heads against {h_kv} key heads need enable_gqa=True")
-    if is_causal:
-        attn_mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
-    if attn_mask is None:
-        attn_mask = torch.ones((s, L), dtype=torch.bool, device=q.device)
-    mask = _head_mask(attn_mask.expand(*attn_mask.shape[:-2], s, L), b, h, h_kv, s, L)
+    if mask is None:
+        mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
+    mask = _head_mask(mask.expand(*mask.shape[:-2], s, L), b, h, h_kv, s, L)
     rows = q.reshape(b, h_kv, (h // h_kv) * s, d)  # (b, h_kv, g * s, d): head-major, as q's heads
     out = _ExactAttention.apply(rows, k, v, mask, 1.0 / math.sqrt(d) if scale is None else scale)
     return out.view(b, h, s, d)

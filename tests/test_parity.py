@@ -86,7 +86,7 @@ def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(
     k, v = torch.randn(b, kv_heads, L, d).to(dtype), torch.randn(b, kv_heads, L, d).to(dtype)
     allowed = torch.rand(b, 1, s, L) < 0.7
     allowed[..., 0] = True  # every query sees a key
-    out = exact_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    out = exact_attention(q, k, v, allowed)
     torch.testing.assert_close(
         out.double(),
         naive_attention(q, k, v, allowed),
@@ -96,13 +96,13 @@ def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(
     junk = torch.randn(b, kv_heads, 2, d).to(dtype)
     k2, v2 = torch.cat((k[:, :, order], junk), 2), torch.cat((v[:, :, order], junk), 2)
     allowed2 = torch.cat((allowed[..., order], torch.zeros(b, 1, s, 2, dtype=torch.bool)), -1)
-    assert torch.equal(exact_attention(q, k2, v2, attn_mask=allowed2, enable_gqa=True), out)
+    assert torch.equal(exact_attention(q, k2, v2, allowed2), out)
 
 
 def test_exact_attention_causal_gradients_and_a_query_with_no_key() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = exact_attention(q, k, v, is_causal=True)
+    out = exact_attention(q, k, v, None)  # causal
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     torch.testing.assert_close(out, naive_attention(q, k, v, causal))
     grad = torch.randn_like(out)
@@ -111,7 +111,7 @@ def test_exact_attention_causal_gradients_and_a_query_with_no_key() -> None:
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b)
     nothing = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
-    assert torch.equal(exact_attention(q, k, v, attn_mask=nothing), torch.zeros_like(q))
+    assert torch.equal(exact_attention(q, k, v, nothing), torch.zeros_like(q))
 
 
 def training_logprobs(model, tokens, positions, mask, prompt_length, targets, temperature=1.0):
