@@ -219,7 +219,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> DecoderConfig:
             out_bias=out_bias,
             sliding_window=sliding_window,
             window_layers=window_layers,
-            local_rope_base=local_rope_base if sliding_window is not None else None,
+            local_rope_base=local_rope_base if sliding_window is not None else None,  # no windowed layer
             **scores,
             **family.options,
         )
@@ -366,7 +366,7 @@ def _sliding_window(
     """The window and the layers it applies to (None: every layer), or (None, None), as the
     family spells them (``attn.families.Window``)."""
     if family.window == "layer_types":
-        return _layer_type_window(hf_config, family)
+        return _layer_type_window(hf_config, family, max_seq_len)
     if family.window == "every_layer":
         window = _get_int(hf_config, "sliding_window", default=None)
     elif family.window == "opt_in" and _get_bool(hf_config, "use_sliding_window", default=False):
@@ -391,12 +391,17 @@ def _sliding_window(
     return window, None
 
 
-def _layer_type_window(hf_config: Mapping[str, Any], family: Family) -> tuple[int | None, tuple[int, ...] | None]:
+def _layer_type_window(
+    hf_config: Mapping[str, Any], family: Family, max_seq_len: int
+) -> tuple[int | None, tuple[int, ...] | None]:
     """Gemma's windows: on the layers ``layer_types`` calls ``sliding_attention``, by default
     all but every ``sliding_window_pattern``-th. Kept even where the window holds every
-    position: Gemma 3's windowed layers rotate with a RoPE of their own."""
+    position, or is null (then it is every position): Gemma 3's windowed layers rotate with a
+    RoPE of their own."""
     layers = _get_int(hf_config, "num_hidden_layers")
     pattern = _get_int(hf_config, "sliding_window_pattern", default=family.window_pattern)
+    if pattern < 1:
+        raise InvalidConfigError(f"sliding_window_pattern must be a positive int, got {pattern}")
     kinds = hf_config.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
@@ -405,9 +410,9 @@ def _layer_type_window(hf_config: Mapping[str, Any], family: Family) -> tuple[in
             f"layer_types must list 'sliding_attention' or 'full_attention' for each of the {layers} layers, "
             f"got {kinds!r}"
         )
-    window = _get_int(hf_config, "sliding_window", default=None)
+    window = _get_int(hf_config, "sliding_window", default=max_seq_len)
     windowed = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
-    if window is None or not windowed:
+    if not windowed:
         return None, None
     return window, None if len(windowed) == layers else windowed
 

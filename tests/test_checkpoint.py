@@ -246,6 +246,8 @@ def test_gemma_defaults_follow_transformers() -> None:
         8.0,
         (0, 1, 3, 4, 6, 7, 9, 10),
     )
+    unwindowed = config_from_hf({"model_type": "gemma3_text", **minimal, "sliding_window": None})
+    assert (unwindowed.sliding_window, unwindowed.local_rope_base) == (131072, 1e4)  # the windowed layers' RoPE kept
     for config in (gemma2, gemma3):
         assert (config.embed_scale, config.unit_offset_norms, config.activation, config.sandwich_norms) == (
             True,
@@ -476,6 +478,12 @@ BAD_CONFIGS = [
         ),
         UnsupportedConfigError,
         r"rope_parameters.sliding_attention = .* runs the windowed layers with plain RoPE",
+    ),
+    (
+        "gemma3 window pattern 0",
+        _set(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window_pattern=0),
+        InvalidConfigError,
+        r"sliding_window_pattern must be a positive int, got 0",
     ),
     (
         "gemma2 layer_types of the wrong length",
