@@ -253,9 +253,10 @@ class TransformerDecoder(nn.Module):
             DecoderLayer(config, i, windowed_rope if config.window_of(i) else self.rope, self.cache_state)
             for i in range(config.num_layers)
         )
-        # Where the window applies to some layers only (Gemma), those run the plan's `local` part.
-        some = config.window_layers is not None
-        self.local_layers = tuple(some and config.window_of(i) is not None for i in range(config.num_layers))
+        # Where the windowed layers differ from the rest (Gemma: some layers only, or a RoPE of
+        # their own), they run the plan's `local` part.
+        split = config.window_layers is not None or config.local_rope_base is not None
+        self.local_layers = tuple(split and config.window_of(i) is not None for i in range(config.num_layers))
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode

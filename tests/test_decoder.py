@@ -30,7 +30,10 @@ def decoder_setups(draw: st.DrawFn) -> dict:
         qk_norm=draw(st.booleans()),
         sliding_window=draw(st.sampled_from([None, 2, 5])),
     )
-    return setup if gemma is None else setup | GEMMA_OPTIONS[gemma]
+    if gemma is None:
+        return setup
+    every_layer = draw(st.booleans())  # the window (and Gemma 3's RoPE base) on every layer
+    return setup | GEMMA_OPTIONS[gemma] | ({"window_layers": None} if every_layer else {})
 
 
 @given(decoder_setups(), st.integers(1, 3), st.integers(1, 12))
