@@ -32,6 +32,8 @@ from attn.threads import check_holder
 
 __all__ = ["MultiHeadAttention", "softcapped_attention"]
 
+_FOLD_DTYPES = (torch.bfloat16, torch.float16)  # where a decode step's grouped heads run faster folded
+
 
 class MultiHeadAttention(nn.Module):
     """Causal self-attention with grouped key/value heads and an optional static cache.
@@ -246,6 +248,15 @@ class MultiHeadAttention(nn.Module):
             out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
         elif kernel == "exact":
             out = exact_attention(q, k, v, attn_mask, self.scale)
+        elif gqa and s == 1 and mask is not None and q.dtype in _FOLD_DTYPES and not torch.compiler.is_compiling():
+            # One query per head: the heads of a group become its kv head's queries, one call
+            # with no GQA. CPU SDPA runs it 2-8x faster in bf16 (b 1-16, 64-2048 slots, AMD
+            # EPYC, 2 threads); in fp32 it is slower, and compiled steps have their own kernel.
+            grouped = q.reshape(
+                b, self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1]
+            )  # (b, h_kv, g, d)
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=attn_mask, scale=self.scale)
+            out = out.view(q.shape)  # (b, h, 1, d)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:

@@ -232,3 +232,40 @@ def test_cache_longer_than_rope_table_is_refused() -> None:
     layer = MultiHeadAttention(embed_dim=8, num_heads=2, max_seq_len=16)
     with pytest.raises(ValueError, match=r"cache max_seq_len \(17\) exceeds the 16 positions"):
         layer.setup_cache(1, 17, dtype=torch.float32, device="cpu")
+
+
+@given(
+    b=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([2, 3]),
+    slots=st.integers(1, 70),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_reduced_precision_decode_step_folds_its_heads_and_matches_a_naive_loop(
+    monkeypatch: pytest.MonkeyPatch, b: int, kv_heads: int, group: int, slots: int, dtype: torch.dtype, seed: int
+) -> None:
+    """One query per head in bf16/fp16: the heads of a group are handed to SDPA as its kv
+    head's queries (one call, no GQA); the result is the per-head attention's."""
+    torch.manual_seed(seed)
+    h, d = kv_heads * group, 8
+    layer = MultiHeadAttention(embed_dim=h * d, num_heads=h, num_kv_heads=kv_heads, max_seq_len=128).to(dtype)
+    q = torch.randn(b, h, 1, d).to(dtype)
+    k, v = torch.randn(b, kv_heads, slots, d).to(dtype), torch.randn(b, kv_heads, slots, d).to(dtype)
+    mask = torch.rand(b, 1, slots) < 0.8
+    mask[..., -1] = True  # the query's own slot
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        shapes.append((tuple(query.shape), kwargs.get("enable_gqa", False)))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out = layer.attend(q, k, v, mask, dtype, "sdpa").double()  # (b, 1, h * d), through o_proj
+    assert shapes == [((b, kv_heads, group, d), False)]
+    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) / d**0.5  # (b, h, 1, L)
+    weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    expected = (weights @ v.double().repeat_interleave(group, 1)).transpose(1, 2).reshape(b, 1, h * d)
+    expected = torch.nn.functional.linear(expected.to(dtype), layer.o_proj.weight).double()
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
