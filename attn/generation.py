@@ -319,7 +319,10 @@ def _decode(
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, n)
         key_valid[:, :P] = prompt_mask
         positions = padding_positions(prompt_mask)  # (b, P)
-        mask = slot_mask(key_valid, torch.arange(P, device=device))  # (b, P, n)
+        # The prefill attends over the prompt's slots alone: the n - P slots after them are
+        # masked for every prompt query, and a CPU SDPA call pays for each (bf16 and fp32, 16
+        # rows, P 128 of n 192: 11.5 against 7.2 ms a layer, AMD EPYC, 2 threads).
+        mask = slot_mask(key_valid[:, :P], torch.arange(P, device=device))  # (b, P, P)
         logits = model(prompt_tokens, input_pos=positions, mask=mask, last_only=True)[:, -1]  # (b, v)
         next_pos = positions[:, -1:] + 1  # (b, 1); the last prompt token is never padding
         if num_samples > 1:  # every row from here on is one sample: b becomes b * G

@@ -330,7 +330,10 @@ def test_compiled_generate_compiles_once_for_lengths_within_a_step(callers_cache
         out = generate(compiled, prompts, max_new_tokens=new_tokens)
         assert torch.equal(out.tokens, generate(model, prompts, max_new_tokens=new_tokens).tokens)
         frames.append(counter.frame_count)
-    assert frames == [2, 2, 2, 4], frames  # prefill and decode, then both again for 128 slots
+    # Prefill and decode, then the decode again for 128 slots; the prefill's mask covers the
+    # prompt's slots alone, so in the caller's cache its graph serves every length, while
+    # generate's own caches are buffers of another size, which it writes too.
+    assert frames == [2, 2, 2, 3 if callers_cache else 4], frames
 
 
 @settings(deadline=None)
