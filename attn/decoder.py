@@ -257,6 +257,10 @@ class TransformerDecoder(nn.Module):
         # their own), they run the plan's `local` part.
         split = config.window_layers is not None or config.local_rope_base is not None
         self.local_layers = tuple(split and config.window_of(i) is not None for i in range(config.num_layers))
+        # What plan_pass is told, once: the window every layer applies, or the local part's.
+        local = any(self.local_layers)
+        self._plan_window = None if local else config.sliding_window
+        self._plan_local = (config.sliding_window, windowed_rope) if local else None
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
@@ -458,8 +462,8 @@ class TransformerDecoder(nn.Module):
             self.rope,
             input_pos=input_pos,
             mask=mask,
-            window=None if any(self.local_layers) else self.config.sliding_window,
-            local=self._local_plan_options(),
+            window=self._plan_window,
+            local=self._plan_local,
             kernel=self.attention_kernel(),
         )  # checks before any write
         run = self._parity_logits if self.parity else self._logits
@@ -510,12 +514,6 @@ class TransformerDecoder(nn.Module):
         if self.parity:
             return "exact"
         return "sdpa" if self.config.attn_softcap is None else "softcap"
-
-    def _local_plan_options(self) -> tuple[int, RotaryEmbedding] | None:
-        """The window and RoPE of the layers that run the plan's ``local`` part, or None."""
-        if not any(self.local_layers) or self.config.sliding_window is None:
-            return None
-        return self.config.sliding_window, self.local_rope or self.rope
 
     def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
         local = plan.local or plan

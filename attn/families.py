@@ -115,10 +115,10 @@ class Family:
         windowed = config.sliding_window is not None and config.sliding_window < config.max_seq_len
         biases = (config.qkv_bias, config.out_bias)
         spelled = {"shared": {(False, False), (True, True)}, "qkv": {(True, False)}, "none": {(False, False)}}
-        if self.window == "layer_types":
-            window_fits = config.sliding_window is not None or config.local_rope_base is None
-        else:
-            window_fits = windowed == (self.window == "every_layer") and config.window_layers is None
+        # layer_types spells any arrangement of windows; the others one window on every layer or none
+        window_fits = self.window == "layer_types" or (
+            windowed == (self.window == "every_layer") and config.window_layers is None
+        )
         scores = (config.attn_scale, config.attn_softcap, config.logit_softcap)
         return (
             all(getattr(config, name) == self.options.get(name, default) for name, default in FAMILY_OPTIONS.items())
