@@ -11,15 +11,12 @@ matrix in ``compat/`` runs on every release the table names.
 The same table says whether a model sharded with torch.distributed (FSDP2, tensor
 parallelism) may run under inference mode (``fsdp_inference_mode``,
 ``tensor_parallel_inference_mode``); ``attn.distributed.probe_distributed_inference_mode``
-proves the claim on the installed release, and ``attn.policy.generation_fallback`` acts on it.
+proves the claim on the installed release, and ``attn.context.generation_fallback`` acts on it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,8 +31,6 @@ __all__ = [
     "ReleaseSupport",
     "TorchVersion",
     "compat_report",
-    "compile_region",
-    "compile_regions",
     "compile_regions_supported",
     "eager_only",
     "parse_torch_version",
@@ -227,42 +222,11 @@ def eager_only(reason: str) -> Any:
 # layer (torch.compiler.nested_compile_region around a layer that writes its KV-cache): measured
 # on 2.13.0 and 2.15.0, tokens equal to eager's. Earlier releases compile every layer, as before.
 COMPILE_REGIONS_FIRST = (2, 13, 0)
-_regions_on = False
 
 
 def compile_regions_supported() -> bool:
-    """Can ``compile_region`` functions be compiled once and reused on the installed torch?"""
+    """Can ``attn.regions.compile_region`` functions be compiled once and reused on the installed torch?"""
     return torch_version().release >= COMPILE_REGIONS_FIRST and hasattr(torch.compiler, "nested_compile_region")
-
-
-def compile_region(fn: Any) -> Any:
-    """Decorator: inside ``compile_regions()``, torch.compile traces and compiles ``fn`` once and
-    calls that code for every call in the graph (a decoder layer: once for all layers, where
-    ``compile_regions_supported()``). Everywhere else, eager or compiled, ``fn`` runs as written."""
-    if not compile_regions_supported():
-        return fn
-    region = torch.compiler.nested_compile_region(fn)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if _regions_on and torch.compiler.is_compiling():
-            return region(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def compile_regions() -> Iterator[None]:
-    """Graphs compiled for calls inside compile each ``compile_region`` function once
-    (``attn.compile_for_decode``'s step); a graph compiled outside never does. Dynamo guards
-    on the switch: a graph is never reused across it."""
-    global _regions_on
-    before, _regions_on = _regions_on, True
-    try:
-        yield
-    finally:
-        _regions_on = before
 
 
 def release_support(version: TorchVersion | str | None = None) -> ReleaseSupport:

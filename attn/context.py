@@ -1,20 +1,24 @@
 """Context managers that say, for a block of code, how forward passes treat the KV-cache.
 
 Each restores the previous state on exit, also when the body raises, and they nest: the
-innermost one wins.
+innermost one wins. ``cached_passes`` and ``uncached_passes`` are where attn's own loops run
+their passes; ``generation_fallback`` says when a sharded model cannot run them under
+inference mode on the installed release.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from attn.compat import FSDP_INFERENCE_MODE_REASON, TENSOR_PARALLEL_INFERENCE_MODE_REASON, release_support
 from attn.kv_cache import CacheState
-from attn.policy import generation_fallback, warn_generation_fallback
+from attn.policy import cache_policy, warn_once
 from attn.swap import swapped_attribute
 from attn.threads import holding
 
@@ -23,6 +27,7 @@ __all__ = [
     "cached_inference",
     "cached_passes",
     "disable_kv_cache",
+    "generation_fallback",
     "kv_cache_mode",
     "local_kv_cache",
     "uncached_passes",
@@ -93,10 +98,56 @@ def cached_inference(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
+def _loaded_class(name: str, *modules: str) -> type | None:
+    """``name`` from the first of ``modules`` already imported, else None (imports nothing)."""
+    for module in modules:
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def generation_fallback(model: nn.Module) -> str | None:
+    """Why ``attn.generate`` runs ``model`` under ``torch.no_grad()`` with the explicit cache
+    flag rather than under inference mode on the installed release, or ``None``.
+
+    A model sharded with FSDP2 (``fully_shard``) or with tensor-parallel (DTensor) parameters,
+    where the release table says that cannot run under inference mode. The passes that use
+    the cache, and the tokens, are the same either way. Imports nothing: a model can hold FSDP2
+    modules or DTensors only once torch.distributed's modules for them are loaded.
+    """
+    row = release_support(cache_policy().torch_version)
+    fsdp_module = _loaded_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+    sharded = fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
+    if sharded and not row.fsdp_inference_mode:
+        return f"a model sharded with FSDP2 cannot generate under inference mode ({FSDP_INFERENCE_MODE_REASON})"
+    dtensor = _loaded_class("DTensor", "torch.distributed.tensor")
+    split = dtensor is not None and any(isinstance(parameter, dtensor) for parameter in model.parameters())
+    if split and not row.tensor_parallel_inference_mode:
+        return (
+            "a model with tensor-parallel (DTensor) parameters cannot generate under inference mode "
+            f"({TENSOR_PARALLEL_INFERENCE_MODE_REASON})"
+        )
+    return None
+
+
+def warn_generation_fallback(reason: str) -> None:
+    """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
+    warn_once(
+        f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
+        f"on torch {cache_policy().torch_version}, {reason}. attn.generate and attn.score_continuations "
+        "run it under torch.no_grad() "
+        "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
+        "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
+        "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "
+        "and attn.cached_inference passes.",
+    )
+
+
 def cached_passes(model: nn.Module) -> contextlib.AbstractContextManager[object]:
     """Where attn's own loops (``attn.generate``, ``attn.score_continuations``) run passes that
     use the cache: ``cached_inference(model)``, or, for a sharded model that cannot run under
-    inference mode on the installed release (``attn.policy.generation_fallback``),
+    inference mode on the installed release (``generation_fallback``),
     ``torch.no_grad()`` with the flag: the same passes use the cache, warned once at the
     caller's line."""
     reason = generation_fallback(model)

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
 from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
@@ -28,6 +27,7 @@ from attn.norm import RMSNorm
 from attn.parity import ParityKernels
 from attn.plan import Kernel, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
+from attn.regions import compile_region
 from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
 
@@ -209,7 +209,7 @@ class DecoderLayer(nn.Module):
         self.mlp = FeedForward(config.embed_dim, config.hidden_dim, config.activation)
         self.mlp_out_norm = norm() if config.sandwich_norms else None
 
-    @compat.compile_region  # attn.compile_for_decode compiles one layer for all of them
+    @compile_region  # attn.compile_for_decode compiles one layer for all of them
     def forward(self, x: torch.Tensor, plan: PassPlan) -> torch.Tensor:
         """``x`` (b, s, e) -> (b, s, e), computed as ``plan`` says (``attn.plan``)."""
         return self.add_mlp(self.add_attention(x, self.attn.compute(self.attn_norm(x), plan)))

@@ -10,7 +10,7 @@ heads: q/k/v and gate/up column-wise, o and down row-wise; every rank runs the s
 holds h / n query heads and h_kv / n kv heads, and its cache those, (b, h_kv / n, L, d).
 The cache rule is the one of a single process (``attn.policy.uses_cache``); where a release
 cannot run a sharded model under inference mode, ``attn.generate`` runs it under
-``torch.no_grad()`` with the explicit flag (``attn.policy.generation_fallback``).
+``torch.no_grad()`` with the explicit flag (``attn.context.generation_fallback``).
 
 Import it as ``attn.distributed`` (``import attn`` does not). It costs no import time of its
 own: the torch.distributed modules it needs are loaded by ``torch._dynamo``, which ``import

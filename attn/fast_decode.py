@@ -16,7 +16,7 @@ per layer with its own setup cost (0.1 ms per layer in bf16); written as reducti
 with its neighbours, and the whole step becomes one generated kernel.
 
 Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
-calls (``attn.compat.compile_region``), so inductor compiles one layer, not all of them. A
+calls (``attn.regions.compile_region``), so inductor compiles one layer, not all of them. A
 30-layer SmolLM2-shaped model, fp32, on a 2-core AMD EPYC with a compiler build beside it:
 18 s in inductor cold, 6.5 s warm (inductor's on-disk cache), against 84 s with every layer
 compiled; decode no slower (128 tokens with the prompt: 8.9 s against 10.1 s), tokens equal to eager's.
@@ -69,10 +69,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn import compat
 from attn.checks import is_int
 from attn.kv_cache import CacheState
 from attn.plan import positions_and_mask
+from attn.regions import compile_regions
 from attn.threads import check_holder
 
 __all__ = ["DecodeCompileStats", "DecodeCompiled", "compile_for_decode"]
@@ -553,7 +553,7 @@ class DecodeCompiled(nn.Module):
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
         step = functools.partial(self._step, tokens, use_cache=use_cache, **kwargs)
-        with compat.compile_regions(), _step_options(limit):
+        with compile_regions(), _step_options(limit):
             return self.model.all_layers_or_none(step) if use_cache else step()
 
 

@@ -9,7 +9,7 @@ a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
 
 A model sharded with torch.distributed (FSDP2, tensor parallelism) on a release that cannot
-run it under inference mode (``attn.policy.generation_fallback``) runs under
+run it under inference mode (``attn.context.generation_fallback``) runs under
 ``torch.no_grad()`` with the same flag instead: the same passes use the cache, the same tokens.
 """
 

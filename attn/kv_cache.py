@@ -110,12 +110,12 @@ class CacheState(nn.Module):
     def attach(self, caches: list[KVCache]) -> None:
         """Makes ``caches`` (one per layer, same batch, length and device, fresh and empty) the
         model's, tearing down the old ones (cannot fail once the tensors below exist)."""
-        first = caches[0]
-        device = first.k_cache.device
+        buffer = caches[0].k_cache  # (b, h_kv, L, d)
+        device = buffer.device
         with torch.inference_mode(False):  # normal tensors, as the buffers: reset works in any mode
             fill = torch.zeros((), dtype=torch.long, device=device)
-            slot_ids = torch.arange(first.max_seq_len, device=device)
-            row_ids = torch.arange(first.batch_size, device=device)
+            slot_ids = torch.arange(buffer.shape[2], device=device)
+            row_ids = torch.arange(buffer.shape[0], device=device)
         self.detach()
         self.fill, self.slot_ids, self.row_ids = fill, slot_ids, row_ids
         self.caches = list(caches)
@@ -338,25 +338,12 @@ class KVCache(nn.Module):
             state.attach([self])
         self.state = state
 
-    @property
-    def batch_size(self) -> int:
-        """Rows the cache holds (b): the buffers' first dim."""
-        return self.k_cache.shape[0]
-
-    @property
-    def max_seq_len(self) -> int:
-        """Capacity in tokens (L): the buffers' third dim."""
-        return self.k_cache.shape[2]
-
-    @property
-    def cache_pos(self) -> torch.Tensor:
-        """The fill position its model's caches share (``CacheState.fill``), a 0-dim tensor."""
-        return self.state.fill
-
-    @property
-    def size(self) -> int:
-        """Tokens written so far (eager only: reads the fill position tensor)."""
-        return self.state.size
+    # The model-wide facts are its state's: rows (b), capacity (L), the shared fill position (a
+    # 0-dim tensor) and the tokens written so far (eager only: reads the fill).
+    batch_size = property(lambda self: self.state.batch_size)
+    max_seq_len = property(lambda self: self.state.max_seq_len)
+    cache_pos = property(lambda self: self.state.fill)
+    size = property(lambda self: self.state.size)
 
     def extra_repr(self) -> str:
         return (

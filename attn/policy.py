@@ -3,8 +3,7 @@
 The policy in force (``CachePolicy``) is resolved once per process: ``set_cache_policy()``,
 then the ``ATTN_CACHE_POLICY`` environment variable, then ``INFERENCE``, the default on every
 release. The warnings about passes that may not do what their author meant (``CompatWarning``,
-once per process, at the user's line) live here too, with ``generation_fallback``: how
-``attn.generate`` runs a sharded model where the release cannot run it under inference mode.
+once per process, at the user's line: ``warn_once``) live here too.
 
 A pass uses the cache iff all of these hold:
 
@@ -37,17 +36,9 @@ import warnings
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from attn import compat
-from attn.compat import (
-    FIX,
-    FSDP_INFERENCE_MODE_REASON,
-    TENSOR_PARALLEL_INFERENCE_MODE_REASON,
-    TorchVersion,
-    release_support,
-    torch_version,
-)
+from attn.compat import FIX, TorchVersion, release_support, torch_version
 from attn.kv_cache import CacheState
 
 __all__ = [
@@ -58,11 +49,11 @@ __all__ = [
     "PolicyDecision",
     "cache_policy",
     "explicit_decision",
-    "generation_fallback",
     "inference_mode_decides",
     "policy_report",
     "set_cache_policy",
     "uses_cache",
+    "warn_once",
 ]
 
 # -- the policy in force, once per process ------------------------------------------------
@@ -180,7 +171,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
     """Warns once per process, at the user's line (not at a line inside attn or torch)."""
     if key not in _warned:
         _warned.add(key)
@@ -194,7 +185,7 @@ def _reset_warnings() -> None:
 
 def warn_inference_mode_ignored() -> None:
     """A FLAG-policy pass ran in inference mode without the flag (called in eager code)."""
-    _warn_once(
+    warn_once(
         "inference-mode-ignored",
         f"a forward pass ran under torch.inference_mode() with KV-caches set up, but the "
         f"cache policy is FLAG ({_decision.reason}), so it did not use or change the cache. "
@@ -207,7 +198,7 @@ def warn_inference_mode_ignored() -> None:
 def warn_compiled_inference_decision() -> None:
     """A compiled forward met the inference-mode test, which runs in eager code."""
     row = release_support(_decision.torch_version)
-    _warn_once(
+    warn_once(
         "compiled-inference-decision",
         f"torch {_decision.torch_version} cannot decide by inference mode inside a compiled "
         f"graph ({row.reason}), so a compiled forward with KV-caches set up and no flag makes "
@@ -219,7 +210,7 @@ def warn_compiled_inference_decision() -> None:
 def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
     """An inference-mode pass of several tokens continues a cache that holds a finished
     sequence (``attn.policy.inference_mode_decides`` says when)."""
-    _warn_once(
+    warn_once(
         "inference-mode-onto-filled-cache",
         f"a forward pass of {num_tokens} tokens per row ran under torch.inference_mode() onto "
         f"a KV-cache that already holds {filled} tokens of an earlier sequence (a generation, a "
@@ -227,52 +218,6 @@ def warn_inference_mode_onto_filled_cache(filled: int, num_tokens: int) -> None:
         "sequence. To score without the cache, run it under torch.no_grad() or inside "
         "attn.disable_kv_cache(model); to start a new sequence, call model.reset_caches() "
         "first; to continue on purpose, use attn.cached_inference(model), which never warns.",
-    )
-
-
-def _loaded_class(name: str, *modules: str) -> type | None:
-    """``name`` from the first of ``modules`` already imported, else None (imports nothing)."""
-    for module in modules:
-        found = getattr(sys.modules.get(module), name, None)
-        if found is not None:
-            return found
-    return None
-
-
-def generation_fallback(model: nn.Module) -> str | None:
-    """Why ``attn.generate`` runs ``model`` under ``torch.no_grad()`` with the explicit cache
-    flag rather than under inference mode on the installed release, or ``None``.
-
-    A model sharded with FSDP2 (``fully_shard``) or with tensor-parallel (DTensor) parameters,
-    where the release table says that cannot run under inference mode. The passes that use
-    the cache, and the tokens, are the same either way. Imports nothing: a model can hold FSDP2
-    modules or DTensors only once torch.distributed's modules for them are loaded.
-    """
-    row = release_support(_decision.torch_version)
-    fsdp_module = _loaded_class("FSDPModule", "torch.distributed.fsdp", "torch.distributed._composable.fsdp")
-    sharded = fsdp_module is not None and any(isinstance(module, fsdp_module) for module in model.modules())
-    if sharded and not row.fsdp_inference_mode:
-        return f"a model sharded with FSDP2 cannot generate under inference mode ({FSDP_INFERENCE_MODE_REASON})"
-    dtensor = _loaded_class("DTensor", "torch.distributed.tensor")
-    split = dtensor is not None and any(isinstance(parameter, dtensor) for parameter in model.parameters())
-    if split and not row.tensor_parallel_inference_mode:
-        return (
-            "a model with tensor-parallel (DTensor) parameters cannot generate under inference mode "
-            f"({TENSOR_PARALLEL_INFERENCE_MODE_REASON})"
-        )
-    return None
-
-
-def warn_generation_fallback(reason: str) -> None:
-    """``attn.generate`` runs a sharded model under no_grad with the flag (``generation_fallback``)."""
-    _warn_once(
-        f"generation-fallback: {reason.split(' cannot ')[0]}",  # once per kind of model
-        f"on torch {_decision.torch_version}, {reason}. attn.generate and attn.score_continuations "
-        "run it under torch.no_grad() "
-        "with the explicit cache flag instead: the same tokens, the same cache. For a decode loop of "
-        "your own on this model, do the same (`with torch.no_grad(), attn.kv_cache_mode(model):`); "
-        "a model sharded with attn.distributed.shard_fsdp also takes plain torch.inference_mode() "
-        "and attn.cached_inference passes.",
     )
 
 

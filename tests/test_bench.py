@@ -366,7 +366,7 @@ def test_workloads_run_both_sides_and_check_them(capsys: pytest.CaptureFixture[s
     from attn.bench.workloads import WorkloadSpec, format_workloads, run_workloads
 
     spec = WorkloadSpec(
-        attn.DecoderConfig(max_seq_len=8, **TINY),  # run_workloads widens it to fit
+        config=attn.DecoderConfig(max_seq_len=8, **TINY),  # run_workloads widens it to fit
         grpo=(2, 3, 7, 4),  # B, G, P, N
         scoring=(2, 3, 9, 2),  # Q, K, C, m
         repeats=1,

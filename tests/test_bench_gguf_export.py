@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import attn
-from attn.bench.contenders import init_weights
 from attn.bench.gguf_export import export_gguf, interleave_rope_rows, rope_frequency_factors, unsupported
+from attn.bench.measure import init_weights
 from attn.rope import RopeScaling, RotaryEmbedding, inverse_frequencies
 
 TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48, max_seq_len=64)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -12,8 +11,6 @@ from hypothesis import strategies as st
 
 from attn import compat
 from attn.compat import TorchVersion, parse_torch_version, release_support
-
-from .conftest import tiny_model
 
 
 @pytest.mark.parametrize(
@@ -98,26 +95,3 @@ def test_report_names_the_version_and_its_row() -> None:
     report = compat.compat_report()
     row = compat.release_support()
     assert torch.__version__ in report and row.label in report and row.reason in report
-
-
-def test_compile_regions_compile_one_layer_for_all_only_when_asked() -> None:
-    """Inside ``compile_regions()`` a supporting release traces the decoder layer once, as one
-    region every layer calls; outside, the same compiled model gets a graph of its own without
-    (dynamo guards on the switch), each reused; eager results throughout."""
-    model = tiny_model(3, num_layers=3)
-    subgraphs = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
-        subgraphs.append(sum(isinstance(m, torch.fx.GraphModule) for m in gm.modules()) - 1)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    tokens = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        for regions in (True, False, True, False):
-            with compat.compile_regions() if regions else contextlib.nullcontext():
-                torch.testing.assert_close(compiled(tokens), model(tokens))
-    torch._dynamo.reset()
-    # where the release cannot, the layer is a plain function: one graph serves every call
-    assert subgraphs == ([1, 0] if compat.compile_regions_supported() else [0])

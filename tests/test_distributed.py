@@ -44,7 +44,7 @@ def test_release_table_says_where_sharded_models_take_inference_mode(
 
 
 def test_an_unsharded_model_generates_under_inference_mode() -> None:
-    assert attn.policy.generation_fallback(tiny_model()) is None
+    assert attn.context.generation_fallback(tiny_model()) is None
 
 
 @pytest.mark.parametrize("name", ["shard_fsdp", "parallelize_tensor"])

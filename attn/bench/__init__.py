@@ -355,7 +355,7 @@ def _run_workloads(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     machine = f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, {short_name(dtype)}"
     results = run_workloads(
         WorkloadSpec(
-            config,
+            config=config,
             dtype=dtype,
             threads=threads,
             repeats=max(args.repeats, 1),
@@ -388,7 +388,12 @@ def _run_rl(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{machine_info()['cpu']}, {threads} thread(s), read bandwidth {bandwidth:.1f} GB/s, torch {torch.__version__}"
     )
     spec = RLSpec(
-        config, dtype=dtype, threads=threads, group=tuple(args.rl_shape), repeats=max(args.repeats, 1), seed=args.seed
+        config=config,
+        dtype=dtype,
+        threads=threads,
+        group=tuple(args.rl_shape),
+        repeats=max(args.repeats, 1),
+        seed=args.seed,
     )
     comparisons, costs, gaps = run_rl(spec)
     print(format_rl(comparisons, costs, gaps, spec, machine))

@@ -36,6 +36,7 @@ import attn
 from attn import policy as cache_rules
 from attn.bench import gguf_export
 from attn.bench.baseline import greedy_without_cache
+from attn.bench.measure import init_weights
 from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
@@ -144,15 +145,6 @@ def cache_policy(policy: CachePolicy | None) -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CompatWarning)
             cache_rules.set_cache_policy(before.policy if before.source == "override" else None)
-
-
-def init_weights(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights: matrices ~ N(0, std); norms stay at one."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32) * std)
 
 
 def transformers_available() -> bool:

@@ -9,18 +9,24 @@ resets the peak, so the peak of one phase (decode) can be read apart from earlie
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
+from attn.decoder import DecoderConfig, TransformerDecoder
+
 __all__ = [
+    "Comparison",
+    "RandomModelSpec",
     "Stats",
     "alternate",
+    "init_weights",
     "matmul_peak",
     "memory_info",
     "peak_rss_mb",
@@ -45,6 +51,70 @@ class Stats:
         if not values:
             raise ValueError("Stats.of needs at least one value")
         return cls(statistics.median(values), min(values), max(values), tuple(values))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two ways to compute one thing, timed side by side in one run."""
+
+    name: str
+    ours: str
+    theirs: str
+    ours_s: Stats
+    theirs_s: Stats
+    detail: str = ""
+    shape: str = ""
+    """The inputs both sides ran on, in words."""
+    agree: bool | None = None
+    """Did both sides give the same outputs (``None``: not checked)?"""
+    ours_peak_mb: float | None = None
+    theirs_peak_mb: float | None = None
+    """Peak RSS of each side, MB, where measured."""
+
+    @property
+    def speedup(self) -> float:
+        return self.theirs_s.median / self.ours_s.median
+
+
+def init_weights(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Random weights: matrices ~ N(0, std); norms stay at one."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32) * std)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomModelSpec:
+    """A measurement's model and how it runs: ``config`` with random weights (matrices ~
+    N(0, ``init_std``) from ``seed``, norms at one) in ``dtype``, on ``threads`` intra-op
+    threads, each side timed ``repeats`` times."""
+
+    config: DecoderConfig
+    dtype: torch.dtype = torch.float32
+    threads: int = 1
+    repeats: int = 3
+    init_std: float = 0.05
+    seed: int = 0
+
+    def model(self, length: int, dtype: torch.dtype | None = None) -> TransformerDecoder:
+        """The model, its RoPE table long enough for ``length`` tokens, in ``dtype`` (default
+        ``self.dtype``), in eval mode."""
+        config = self.config if self.config.max_seq_len >= length else replace(self.config, max_seq_len=length)
+        model = TransformerDecoder(config)
+        init_weights(model, self.init_std, self.seed)
+        return model.to(dtype or self.dtype).eval()
+
+    @contextlib.contextmanager
+    def threads_set(self) -> Iterator[None]:
+        """Runs the block on ``threads`` intra-op threads, then restores the count."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -20,12 +20,12 @@ figures are medians. Random weights (``init_std``): the gap figures depend on th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from attn.bench.contenders import hf_config, hf_state_dict, init_weights, transformers_available
-from attn.bench.measure import Stats, alternate, peak_rss_mb, reset_peak_rss, timed
+from attn.bench.contenders import hf_config, hf_state_dict, transformers_available
+from attn.bench.measure import Comparison, RandomModelSpec, Stats, alternate, peak_rss_mb, reset_peak_rss, timed
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
 from attn.generation import generate
@@ -44,45 +44,21 @@ SMOLLM2_135M = DecoderConfig(
 TARGETS = {"logprobs": 3.0, "policy step": 1.5}
 
 
-@dataclass(frozen=True)
-class RLSpec:
-    """What ``run_rl`` measures.
+@dataclass(frozen=True, kw_only=True)
+class RLSpec(RandomModelSpec):
+    """What ``run_rl`` measures: the model (``RandomModelSpec``: SmolLM2-135M's shape, 2
+    threads, 2 repeats by default) and
 
     Attributes:
-        config: the model (random weights, ``init_std``).
-        dtype: parameter dtype of the speed comparisons.
-        threads: torch intra-op threads.
         group: (B, G, P, N): B prompts x G completions, prompts of P tokens, completions of N.
         gap: (B, G, P, N) of the parity-gap generation, run in bf16 and fp32.
-        repeats: timed runs of each side.
     """
 
     config: DecoderConfig = SMOLLM2_135M
-    dtype: torch.dtype = torch.float32
     threads: int = 2
+    repeats: int = 2
     group: tuple[int, int, int, int] = (2, 8, 512, 128)
     gap: tuple[int, int, int, int] = (2, 4, 48, 48)
-    repeats: int = 2
-    init_std: float = 0.05
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Seconds of two ways to compute one thing, and their peak RSS (MB) where measured."""
-
-    name: str
-    ours: str
-    theirs: str
-    ours_s: Stats
-    theirs_s: Stats
-    ours_peak_mb: float | None = None
-    theirs_peak_mb: float | None = None
-    detail: str = ""
-
-    @property
-    def speedup(self) -> float:
-        return self.theirs_s.median / self.ours_s.median
 
 
 @dataclass(frozen=True)
@@ -151,7 +127,14 @@ def _compare_logprobs(model: TransformerDecoder, spec: RLSpec, generator: torch.
     names = ("attn.completion_logprobs (prompt once)", "full forward over B x G rows")
     return [
         Comparison("logprobs", *names, *nograd, detail=detail),
-        Comparison("policy step", *names, *step, *peaks, detail="forward + backward of sum(logprobs * advantages)"),
+        Comparison(
+            "policy step",
+            *names,
+            *step,
+            detail="forward + backward of sum(logprobs * advantages)",
+            ours_peak_mb=peaks[0],
+            theirs_peak_mb=peaks[1],
+        ),
     ]
 
 
@@ -193,15 +176,9 @@ def _parity_cost(model: TransformerDecoder, spec: RLSpec, generator: torch.Gener
     return results
 
 
-def _random_model(spec: RLSpec, length: int, dtype: torch.dtype) -> TransformerDecoder:
-    model = TransformerDecoder(replace(spec.config, max_seq_len=max(spec.config.max_seq_len, length)))
-    init_weights(model, spec.init_std, spec.seed)
-    return model.to(dtype)
-
-
 def _parity_gap(spec: RLSpec, dtype: torch.dtype) -> list[Gap]:
     B, G, P, N = spec.gap
-    model = _random_model(spec, P + N, dtype)
+    model = spec.model(P + N, dtype)
     generator = torch.Generator().manual_seed(spec.seed)
     prompts = torch.randint(1, model.config.vocab_size, (B, P), generator=generator).tolist()
     gaps = []
@@ -267,17 +244,13 @@ def _transformers_gap(
 
 def run_rl(spec: RLSpec) -> tuple[list[Comparison], list[Comparison], list[Gap]]:
     """Measures the comparisons, parity mode's cost and its gap, on random weights."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(spec.threads)
-    try:
+    with spec.threads_set():
         _, _, P, N = spec.group
-        model = _random_model(spec, P + N, spec.dtype)
+        model = spec.model(P + N).train()
         generator = torch.Generator().manual_seed(spec.seed)
         comparisons = _compare_logprobs(model, spec, generator)
         costs = _parity_cost(model, spec, generator)
         return comparisons, costs, [*_parity_gap(spec, torch.bfloat16), *_parity_gap(spec, torch.float32)]
-    finally:
-        torch.set_num_threads(before)
 
 
 def format_rl(

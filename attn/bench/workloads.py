@@ -17,67 +17,38 @@ and the figures are medians. Outputs are checked against each other: greedy toke
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from attn.bench.contenders import init_weights
-from attn.bench.measure import Stats, alternate
-from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.bench.measure import Comparison, RandomModelSpec, alternate
+from attn.decoder import TransformerDecoder
 from attn.fast_decode import compile_for_decode
 from attn.generation import generate
 from attn.scoring import score_continuations
 
-__all__ = ["WorkloadResult", "WorkloadSpec", "format_workloads", "run_workloads"]
+__all__ = ["WorkloadSpec", "format_workloads", "run_workloads"]
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """What ``run_workloads`` measures.
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSpec(RandomModelSpec):
+    """What ``run_workloads`` measures: the model (``RandomModelSpec``) and
 
     Attributes:
-        config: the model (random weights, ``init_std``).
-        dtype: parameter dtype.
-        threads: torch intra-op threads.
         grpo: (B, G, P, N): B prompts x G samples, prompts of P tokens, N new tokens each.
         scoring: (Q, K, C, m): Q questions of K continuations, contexts of C tokens,
             continuations of m.
-        repeats: timed runs of each side.
         compile: both grpo sides decode with ``attn.compile_for_decode`` (one compiled step,
             compiled in the warm-up run, not in the timed ones).
     """
 
-    config: DecoderConfig
-    dtype: torch.dtype = torch.float32
-    threads: int = 1
     grpo: tuple[int, int, int, int] = (2, 8, 256, 64)
     scoring: tuple[int, int, int, int] = (8, 4, 256, 4)
-    repeats: int = 3
-    init_std: float = 0.05
-    seed: int = 0
     compile: bool = False
 
 
-@dataclass(frozen=True)
-class WorkloadResult:
-    """One workload: the seconds of each side, and whether their outputs agree."""
-
-    name: str
-    shape: str
-    ours: str
-    theirs: str
-    ours_s: Stats
-    theirs_s: Stats
-    agree: bool
-    detail: str
-
-    @property
-    def speedup(self) -> float:
-        return self.theirs_s.median / self.ours_s.median
-
-
-def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
+def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> Comparison:
     B, G, P, N = spec.grpo
     prompts = torch.randint(1, spec.config.vocab_size, (B, P), generator=generator)
     expanded = prompts.repeat_interleave(G, 0)  # (B * G, P)
@@ -96,7 +67,7 @@ def _grpo(model: nn.Module, spec: WorkloadSpec, generator: torch.Generator) -> W
     forked = generate(model, prompts, max_new_tokens=N, num_samples=G)
     plain = generate(model, expanded, max_new_tokens=N)
     mismatched = int((forked.generated != plain.generated).any(-1).sum())
-    return WorkloadResult(
+    return Comparison(
         name="grpo",
         shape=f"B={B} x G={G}, prompt {P}, {N} new"
         + (", decode compiled (compile_for_decode)" if spec.compile else ", eager"),
@@ -124,7 +95,7 @@ def _per_question_full_passes(
     ]
 
 
-def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> WorkloadResult:
+def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Generator) -> Comparison:
     vocab = spec.config.vocab_size
     Q, K, C, m = spec.scoring
     questions = [
@@ -146,7 +117,7 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     error = float((got - expected).abs().max())
     close = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
     same_choice = bool((got.argmax(-1) == expected.argmax(-1)).all())
-    return WorkloadResult(
+    return Comparison(
         name="scoring",
         shape=f"{Q} questions x {K} choices, context {C}, continuation {m}",
         ours="score_continuations: context once",
@@ -158,26 +129,18 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     )
 
 
-def run_workloads(spec: WorkloadSpec) -> list[WorkloadResult]:
+def run_workloads(spec: WorkloadSpec) -> list[Comparison]:
     """Measures both workloads on one model with random weights."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(spec.threads)
-    try:
+    with spec.threads_set():
         (B, G, P, N), (_, _, C, m) = spec.grpo, spec.scoring
-        max_len = max(P + N, C + m)
-        config = spec.config if spec.config.max_seq_len >= max_len else replace(spec.config, max_seq_len=max_len)
-        model = TransformerDecoder(config)
-        init_weights(model, spec.init_std, spec.seed)
-        model = model.to(spec.dtype).eval()
+        model = spec.model(max(P + N, C + m))
         generator = torch.Generator().manual_seed(spec.seed)
         rows = B * G  # the B x G rows both grpo sides decode: all rewritten
         decoder = compile_for_decode(model, max_rows=rows) if spec.compile else model
         return [_grpo(decoder, spec, generator), _scoring(model, spec, generator)]
-    finally:
-        torch.set_num_threads(before)
 
 
-def format_workloads(results: list[WorkloadResult], machine: str) -> str:
+def format_workloads(results: list[Comparison], machine: str) -> str:
     """A plain-text table: one line per side, the speedup, and the agreement check."""
     lines = [f"Workloads ({machine}); seconds per workload run, median (min-max)"]
     for r in results:
