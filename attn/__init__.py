@@ -14,6 +14,7 @@ from attn.generation import GenerationOutput, generate
 from attn.kv_cache import KVCache, attended_slots
 from attn.logprobs import CompletionLogprobs, completion_logprobs
 from attn.masks import padded_causal_mask, padding_positions
+from attn.packed import set_packed_decode
 from attn.parity import set_parity_mode
 from attn.policy import CachePolicy, CompatWarning, cache_policy
 from attn.scoring import ContinuationScore, score_continuations
@@ -54,5 +55,6 @@ __all__ = [
     "padded_causal_mask",
     "padding_positions",
     "score_continuations",
+    "set_packed_decode",
     "set_parity_mode",
 ]

@@ -24,6 +24,7 @@ from torch import nn
 from attn.casts import cast
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
+from attn.packed import Linear
 from attn.parity import exact_attention
 from attn.plan import Kernel, PassPlan, plan_pass
 from attn.policy import uses_cache
@@ -106,10 +107,10 @@ class MultiHeadAttention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = scale
         self.softcap = softcap
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=out_bias)
+        self.q_proj = Linear(embed_dim, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, embed_dim, bias=out_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:

@@ -24,8 +24,9 @@ from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
+from attn.packed import Linear, linear, packed_linears
 from attn.parity import ParityKernels
-from attn.plan import Kernel, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
+from attn.plan import Kernel, Linears, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
 from attn.regions import compile_region
 from attn.rope import RopeScaling, RotaryEmbedding
@@ -166,9 +167,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, embed_dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=False)
-        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=False)
+        self.gate_proj = Linear(embed_dim, hidden_dim, bias=False)
+        self.up_proj = Linear(embed_dim, hidden_dim, bias=False)
+        self.down_proj = Linear(hidden_dim, embed_dim, bias=False)
         self.activation = activation  # a name, not a function: the module pickles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,8 +263,9 @@ class TransformerDecoder(nn.Module):
         self._plan_window = None if local else config.sliding_window
         self._plan_local = (config.sliding_window, windowed_rope) if local else None
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
-        self.output = None if config.tie_embeddings else nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        self.output = None if config.tie_embeddings else Linear(config.embed_dim, config.vocab_size, bias=False)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
+        self.packed_decode = False  # packed decode (attn.packed): set it with attn.set_packed_decode
 
     # -- caches ------------------------------------------------------------------------
 
@@ -465,8 +467,9 @@ class TransformerDecoder(nn.Module):
             window=self._plan_window,
             local=self._plan_local,
             kernel=self.attention_kernel(),
+            linears=self.linear_kernels(use_cache, s),
         )  # checks before any write
-        run = self._parity_logits if self.parity else self._logits
+        run = self._logits if plan.linears == "default" else self._kernel_logits
         if plan.slots is None:
             return run(tokens, plan, last_only)
         if torch.compiler.is_compiling():  # traced code cannot undo
@@ -498,15 +501,29 @@ class TransformerDecoder(nn.Module):
             raise
 
     @torch.compiler.disable  # inductor would fuse and reorder what parity mode keeps in order
-    def _parity_logits(self, *args: object) -> torch.Tensor:
-        with self.kernels():
-            return self._logits(*args)
+    def _kernel_logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
+        with self.kernels(plan.linears):
+            return self._logits(tokens, plan, last_only)
 
-    def kernels(self) -> contextlib.AbstractContextManager[object]:
-        """The linear and activation kernels this model's passes run with: parity mode's
-        (``attn.parity``) or the default ones. Every forward, and ``attn.completion_logprobs``,
-        runs inside it; the attention kernel is the plan's (``attention_kernel``)."""
-        return ParityKernels() if self.parity else contextlib.nullcontext()
+    def kernels(self, linears: Linears | None = None) -> contextlib.AbstractContextManager[object]:
+        """The context the linear and activation kernels ``linears`` (``attn.plan.Linears``)
+        run in; ``None``: this model's for a pass that is no decode step (parity mode's or
+        the default ones). Every forward, and ``attn.completion_logprobs``, runs inside it;
+        the attention kernel is the plan's (``attention_kernel``)."""
+        if linears is None:
+            linears = "exact" if self.parity else "default"
+        if linears == "exact":
+            return ParityKernels()
+        return packed_linears() if linears == "packed" else contextlib.nullcontext()
+
+    def linear_kernels(self, use_cache: bool, num_tokens: int) -> Linears:
+        """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones;
+        packed ones for an eager decode step (one token per row, with the cache) where
+        ``attn.set_packed_decode`` asked for them; else torch's."""
+        if self.parity:
+            return "exact"
+        packed = self.packed_decode and use_cache and num_tokens == 1 and not torch.compiler.is_compiling()
+        return "packed" if packed else "default"
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's
@@ -534,7 +551,7 @@ class TransformerDecoder(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(b, s, e) the last hidden states -> (b, s, v) logits: the final norm and output layer."""
         h = self.norm(h)
-        logits = F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)  # (b, s, v)
+        logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)  # (b, s, v)
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

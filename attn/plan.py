@@ -24,12 +24,17 @@ import torch
 from attn.kv_cache import CacheState, attended_slots
 from attn.rope import RotaryEmbedding
 
-__all__ = ["Kernel", "PassPlan", "check_pass_inputs", "plan_pass", "positions_and_mask"]
+__all__ = ["Kernel", "Linears", "PassPlan", "check_pass_inputs", "plan_pass", "positions_and_mask"]
 
 Kernel = Literal["sdpa", "softcap", "exact"]
 """How a pass computes attention: ``sdpa``, torch's fused kernels; ``softcap``, scores
 soft-capped before the softmax (Gemma 2: ``attn.attention.softcapped_attention``); ``exact``,
 parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
+
+Linears = Literal["default", "packed", "exact"]
+"""How a pass computes its linears and activations: ``default``, torch's kernels; ``packed``,
+weights pre-packed for oneDNN (``attn.packed``: eager CPU decode steps, where the model asks
+for it); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
 
 
 class PassPlan(NamedTuple):
@@ -50,6 +55,9 @@ class PassPlan(NamedTuple):
     their rotation. The decoder hands each layer its part; ``None``: one plan for all."""
     kernel: Kernel = "sdpa"
     """The attention kernel every layer runs (``Kernel``): the entry point's choice."""
+    linears: Linears = "default"
+    """The linear and activation kernels of the pass (``Linears``): the entry point's choice,
+    which runs the layers inside them."""
 
 
 def plan_pass(
@@ -64,6 +72,7 @@ def plan_pass(
     window: int | None,
     local: tuple[int, RotaryEmbedding] | None = None,
     kernel: Kernel = "sdpa",
+    linears: Linears = "default",
 ) -> PassPlan:
     """The plan of a pass of ``seq_len`` new tokens per row over ``batch_size`` rows.
 
@@ -77,6 +86,7 @@ def plan_pass(
         local: the window and RoPE of the layers that have a window where others do not
             (``PassPlan.local``), or None.
         kernel: the attention kernel (``Kernel``).
+        linears: the linear kernels (``Linears``).
 
     Raises:
         ValueError, RuntimeError: bad positions or mask, or tokens that do not fit the
@@ -91,11 +101,12 @@ def plan_pass(
     slots = None if cache is None else cache.write_slots(query_slots)
     rotation = rope.rotation(input_pos)
     if local is None:
-        return PassPlan(rotation, mask, slots, kernel=kernel)
+        return PassPlan(rotation, mask, slots, kernel=kernel, linears=linears)
     local_window, local_rope = local
     _, local_mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, local_window, span)
     local_rotation = rotation if local_rope is rope else local_rope.rotation(input_pos)
-    return PassPlan(rotation, mask, slots, PassPlan(local_rotation, local_mask, slots, kernel=kernel), kernel)
+    local_plan = PassPlan(local_rotation, local_mask, slots, kernel=kernel, linears=linears)
+    return PassPlan(rotation, mask, slots, local_plan, kernel, linears)
 
 
 def check_cached_pass(state: CacheState, b: int, s: int, mask: torch.Tensor | None) -> int | None:

@@ -338,6 +338,22 @@ class AttnEager(Contender):
         return Generated(out.generated, out.logits, start, timed.stamps)
 
 
+class AttnPacked(AttnEager):
+    """``attn.generate`` on the eager model with packed decode (``attn.set_packed_decode``):
+    the weights are packed in the warm-up run, and the shared model is left as it was after
+    each generation."""
+
+    def skip_reason(self, ctx: CellContext) -> str | None:
+        return None if attn.packed.packed_decode_available() else "this torch build has no oneDNN packed linear"
+
+    def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
+        ctx.model.packed_decode = True  # the packed copies stay between generations: the weights do not change
+        try:
+            return super().generate(ctx, new_tokens, want_logits)
+        finally:
+            ctx.model.packed_decode = False
+
+
 class AttnCompiled(AttnEager):
     """``attn.generate`` through ``attn.compile_for_decode``: eager prefill, compiled decode step."""
 
@@ -557,6 +573,9 @@ class LlamaCpp(Contender):
 
 CONTENDERS: dict[str, Any] = {
     "attn-eager": lambda: AttnEager("attn-eager", None, "attn.generate, eager, the default cache policy"),
+    "attn-packed": lambda: AttnPacked(
+        "attn-packed", None, "attn.generate, eager, with packed decode (attn.set_packed_decode)"
+    ),
     "attn-compiled": lambda: AttnCompiled(
         "attn-compiled",
         None,
@@ -578,6 +597,7 @@ CONTENDERS: dict[str, Any] = {
 
 DEFAULT_CONTENDERS = (
     "attn-eager",
+    "attn-packed",
     "attn-compiled",
     "attn-nocache",
     "hf-static",

@@ -1,0 +1,194 @@
+"""attn/packed.py: packed decode runs only eager decode steps, follows the weights as they
+change, and gives the stock kernels' results."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounter
+
+import attn
+from attn import packed
+from attn.packed import linear, packed_linears
+
+from .conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not packed.packed_decode_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Records the weights each packed product read, in call order."""
+    read: list[torch.Tensor] = []
+    original = packed._packed
+
+    def recording(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        read.append(weight)
+        return original(weight, rows)
+
+    monkeypatch.setattr(packed, "_packed", recording)
+    return read
+
+
+def _uncached_logits(model: attn.TransformerDecoder, tokens: torch.Tensor) -> torch.Tensor:
+    """The reference: every position recomputed without the cache, with the stock kernels."""
+    with torch.no_grad():
+        return model(tokens)
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    rows=st.integers(1, 4),
+    prompt=st.integers(1, 6),
+    steps=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_decode_steps_match_an_uncached_recomputation(dtype, rows, prompt, steps, seed) -> None:
+    model = tiny_model(seed % 7).to(dtype)
+    attn.set_packed_decode(model)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 61, (rows, prompt + steps), generator=generator)
+    model.setup_caches(rows, prompt + steps)
+    with attn.cached_inference(model):
+        cached = [model(tokens[:, :prompt])]
+        cached += [model(tokens[:, i : i + 1]) for i in range(prompt, prompt + steps)]
+    got = torch.cat(cached, 1).float()
+    want = _uncached_logits(model, tokens).float()
+    tolerance = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_only_eager_decode_steps_read_packed_weights(packs: list[torch.Tensor]) -> None:
+    model = tiny_model()
+    attn.set_packed_decode(model)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    model.setup_caches(2, 16)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with attn.cached_inference(model):
+        model(tokens)  # prefill: three tokens a row
+    assert packs == []
+    with torch.no_grad():
+        model(tokens[:, :1])  # scoring without the cache, one token
+    model(tokens[:, :1]).sum().backward()  # training
+    assert packs == []
+    with attn.cached_inference(model):
+        model(tokens[:, :1])  # a decode step: every projection and the tied head
+    assert [id(w) for w in packs] == [id(w) for w in linears]  # every projection, then the output layer
+    packs.clear()
+    attn.set_packed_decode(model, False)
+    with attn.cached_inference(model):
+        model(tokens[:, :1])
+    assert packs == []
+
+
+def test_a_changed_weight_is_packed_again() -> None:
+    """An RL loop trains between generations: the next decode step must read the new weights."""
+    model = tiny_model(3)
+    attn.set_packed_decode(model)
+    reference = tiny_model(3)
+    model.setup_caches(1, 8)
+    reference.setup_caches(1, 8)
+    step = torch.tensor([[5]])
+    for change in range(3):
+        for m in (model, reference):
+            m.reset_caches()
+            with attn.cached_inference(m):
+                m(torch.tensor([[1, 2]]))
+        with attn.cached_inference(model), attn.cached_inference(reference):
+            torch.testing.assert_close(model(step), reference(step), atol=2e-5, rtol=2e-5)
+        with torch.no_grad():
+            for m in (model, reference):
+                if change == 0:  # in place, as an optimizer step: the version counter moves
+                    m.layers[0].mlp.up_proj.weight.mul_(-1.5)
+                else:  # a new storage, as .data = ...: the pointer moves
+                    m.layers[1].attn.q_proj.weight.data = m.layers[1].attn.q_proj.weight.data * 0.5
+
+
+def test_turning_it_off_frees_the_packed_weights() -> None:
+    model = tiny_model()
+    attn.set_packed_decode(model)
+    model.setup_caches(1, 4)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1]]))
+    held = [p for p in model.parameters() if p in packed._PACKS]
+    assert len(held) == 2 * 7 + 1  # seven projections in each of two layers, and the output layer
+    attn.set_packed_decode(model, False)
+    assert not any(p in packed._PACKS for p in model.parameters())
+
+
+def test_the_packed_product_matches_f_linear_in_any_shape() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight, bias = torch.randn(24, 40).to(dtype), torch.randn(24).to(dtype)
+        for shape in ((1, 40), (7, 40), (2, 3, 40)):
+            x = torch.randn(shape).to(dtype)
+            with packed_linears():
+                got = linear(x, weight, bias)
+            want = F.linear(x.double(), weight.double(), bias.double())
+            assert got.shape == want.shape and got.dtype == dtype
+            tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+            torch.testing.assert_close(got.double(), want, **tolerance)
+
+
+def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) -> None:
+    x, weight = torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    with packed_linears():
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight))  # float64: not packed
+        half = linear(x.half(), weight.half())  # float16: not packed
+        torch.testing.assert_close(half, F.linear(x.half(), weight.half()))
+    assert packs == []
+
+
+def test_the_switch_is_per_thread(packs: list[torch.Tensor]) -> None:
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    seen = []
+    with packed_linears():
+        thread = threading.Thread(target=lambda: seen.append(linear(x, weight)))
+        thread.start()
+        thread.join()
+    assert len(seen) == 1 and packs == []
+
+
+def test_compiled_passes_run_the_stock_kernels_in_one_graph(packs: list[torch.Tensor]) -> None:
+    model = tiny_model()
+    attn.set_packed_decode(model)
+    model.setup_caches(1, 8)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with attn.cached_inference(model):
+        compiled(torch.tensor([[1, 2]]))
+        compiled(torch.tensor([[3]]))
+        compiled(torch.tensor([[4]]))
+    assert packs == [] and counter.frame_count == 2  # one graph for the prefill, one for the steps
+
+
+@pytest.mark.parametrize(
+    ("model", "enabled", "message"),
+    [
+        (torch.nn.Linear(2, 2), True, r"takes an attn.TransformerDecoder .* got a Linear"),
+        (None, "yes", r"enabled must be a bool, got 'yes'"),
+    ],
+)
+def test_bad_arguments_are_refused(model: object, enabled: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        attn.set_packed_decode(model if model is not None else tiny_model(), enabled)  # type: ignore[arg-type]
+
+
+def test_state_dict_and_linear_type_are_unchanged() -> None:
+    model = tiny_model()
+    assert all(isinstance(m.q_proj, torch.nn.Linear) for m in (layer.attn for layer in model.layers))
+    assert "layers.0.attn.q_proj.weight" in model.state_dict()
+
+
+def test_a_tied_head_reads_the_packed_embedding(packs: list[torch.Tensor]) -> None:
+    model = tiny_model(tie_embeddings=True)
+    attn.set_packed_decode(model)
+    model.setup_caches(1, 4)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1]]))
+    assert packs[-1] is model.tok_embeddings.weight
