@@ -27,7 +27,9 @@ What it does not do, on purpose:
   (doubling the memory) and inlines module state as constants, which is the wrong thing for
   a KV-cache written in place. Here weights and cache buffers stay graph inputs: the cache is
   mutated in place like in eager code, and changing a weight after compiling is seen by the
-  next step.
+  next step. ``attn.set_packed_decode(model)`` makes the memory trade on request, without
+  freezing: the step's matrix products (more rows than ``max_rows``) call
+  ``attn::packed_linear``, which packs each weight once and again whenever it changes.
 - no compiled prefill: the prompt runs in eager code (a matrix-matrix product, where the
   stock kernels are good), so prompts of any length never recompile anything.
 
@@ -71,6 +73,7 @@ from torch import nn
 
 from attn.checks import is_int
 from attn.kv_cache import CacheState
+from attn.packed import packed_linear  # noqa: F401  (registers attn::packed_linear)
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
 from attn.threads import check_holder
@@ -225,6 +228,9 @@ class DecodeCompileStats:
     linears_rewritten: int = 0
     """Linear calls turned into row-wise reductions, over all graphs and their regions (a
     layer's count once when its region serves every layer)."""
+    linears_packed: int = 0
+    """Linear calls that read packed weights (``attn.set_packed_decode``: those with more rows
+    than ``max_rows``), counted the same way."""
     attention_rewritten: int = 0
     """Attention calls turned into reductions (``decode_attention``), counted the same way."""
     compile_seconds: float = 0.0
@@ -237,13 +243,19 @@ class DecodeCompileStats:
     another reduction scheme past that, a graph of its own)."""
 
 
-def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tuple[int, torch.dtype]]:
-    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``.
+def _rewrite_small_linears(
+    gm: torch.fx.GraphModule, max_rows: int, packed: bool = False
+) -> tuple[list[tuple[int, torch.dtype]], int]:
+    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``, and
+    with ``packed`` (the model asked for packed decode) every other one at
+    ``attn.packed.packed_linear``.
 
     Returns:
-        ``(rows, weight dtype)`` of each linear rewritten.
+        ``(rows, weight dtype)`` of each linear rewritten into reductions, and how many
+        linears read packed weights.
     """
     rewritten = []
+    packed_count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
             continue
@@ -252,16 +264,20 @@ def _rewrite_small_linears(gm: torch.fx.GraphModule, max_rows: int) -> list[tupl
         if not isinstance(example, torch.Tensor) or example.dim() == 0:
             continue
         rows = example.numel() // max(int(example.shape[-1]), 1)
-        if not isinstance(rows, int) or rows > max_rows:
-            continue  # symbolic or large: the BLAS kernel is the right one
+        if not isinstance(rows, int) or rows > max_rows:  # symbolic or large: a matrix product
+            if packed:
+                node.target = torch.ops.attn.packed_linear.default
+                node.args, node.kwargs = (node.args[0], node.args[1], bias), {}
+                packed_count += 1
+            continue
         node.target = rowwise_linear
         node.args = (node.args[0], node.args[1], bias)
         node.kwargs = {}
         rewritten.append((rows, weight.dtype if isinstance(weight, torch.Tensor) else example.dtype))
-    if rewritten:
+    if rewritten or packed_count:
         gm.graph.lint()
         gm.recompile()
-    return rewritten
+    return rewritten, packed_count
 
 
 # No size asserts in the generated wrapper: dynamo's guards already check every input's sizes
@@ -484,8 +500,11 @@ class DecodeCompiled(nn.Module):
         graphs = [module for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
         self.stats.regions += len(graphs) - 1  # a decoder layer's region: one subgraph for every layer
         if self.rewrite:
+            packed = self.model.packed_decode  # dynamo guards it: a change compiles another graph
             for graph in graphs:
-                rewritten += _rewrite_small_linears(graph, self.max_rows)
+                small, packed_count = _rewrite_small_linears(graph, self.max_rows, packed)
+                rewritten += small
+                self.stats.linears_packed += packed_count
                 self.stats.attention_rewritten += _rewrite_decode_attention(graph, self.max_rows)
             self.stats.linears_rewritten += len(rewritten)
         bits = self.stats.vector_bits = _vector_bits(rewritten, self.vector_bits)

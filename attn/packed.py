@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Linear", "linear", "packed_decode_available", "packed_linears", "set_packed_decode"]
+__all__ = ["Linear", "linear", "packed_decode_available", "packed_linear", "packed_linears", "set_packed_decode"]
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -68,9 +68,15 @@ def _packed(weight: torch.Tensor, rows: int) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; inside ``packed_linears()``, in eager code, its packed form where the
     weight can be packed (a CPU bf16/fp32 tensor; not a DTensor, not another device)."""
-    if not torch.compiler.is_compiling() and getattr(_this_thread, "packed", False) and _packable(x, weight, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, _packed(weight, x.shape[:-1].numel()), bias, "none", [], "")
+    if not torch.compiler.is_compiling() and getattr(_this_thread, "packed", False):
+        return _packed_product(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if not _packable(x, weight, bias):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight, x.shape[:-1].numel()), bias, "none", [], "")
 
 
 class Linear(nn.Linear):
@@ -80,6 +86,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+@torch.library.custom_op("attn::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``attn.packed.linear`` inside ``packed_linears()``, as an operator that compiled code
+    calls (``attn.compile_for_decode``'s step, for linears it does not rewrite)."""
+    return _packed_product(x, weight, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @contextlib.contextmanager

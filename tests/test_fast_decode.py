@@ -451,3 +451,33 @@ def test_a_step_that_fails_after_writing_some_layers_leaves_every_layer_as_it_wa
     with attn.cached_inference(model), pytest.raises(RuntimeError, match="out of memory in layer 1"):
         fast(torch.tensor([[7], [8]]))
     assert_cache_unchanged(model, before)
+
+
+def test_with_packed_decode_the_step_reads_packed_weights_for_its_matrix_products() -> None:
+    """Linears over more rows than ``max_rows`` call ``attn::packed_linear``: the same tokens
+    as eager, a weight changed after compiling is packed again, and turning packed decode
+    off compiles another graph (dynamo guards the switch)."""
+    model = tiny_model(23)
+    attn.set_packed_decode(model)
+    fast = compile_for_decode(model, max_rows=1)
+    prompts = [[1, 2, 3], [4, 5]]  # two rows: more than max_rows
+
+    def both() -> tuple[attn.GenerationOutput, attn.GenerationOutput]:
+        model.packed_decode = False
+        expected = attn.generate(model, prompts, max_new_tokens=6, return_logits=True)
+        model.packed_decode = True
+        return attn.generate(fast, prompts, max_new_tokens=6, return_logits=True), expected
+
+    got, expected = both()
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    assert fast.stats.linears_packed == 7 * _layers_compiled(model) + 1 and fast.stats.linears_rewritten == 0
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+    got, expected = both()
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    assert fast.stats.graphs == 1
+    model.packed_decode = False
+    attn.generate(fast, prompts, max_new_tokens=3)
+    assert fast.stats.graphs == 2 and fast.stats.linears_packed == 7 * _layers_compiled(model) + 1

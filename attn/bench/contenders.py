@@ -338,10 +338,9 @@ class AttnEager(Contender):
         return Generated(out.generated, out.logits, start, timed.stamps)
 
 
-class AttnPacked(AttnEager):
-    """``attn.generate`` on the eager model with packed decode (``attn.set_packed_decode``):
-    the weights are packed in the warm-up run, and the shared model is left as it was after
-    each generation."""
+class PackedDecode:
+    """Mixin: generations run with packed decode on (``attn.set_packed_decode``): the weights
+    are packed in the warm-up run, and the shared model is left as it was after each one."""
 
     def skip_reason(self, ctx: CellContext) -> str | None:
         return None if attn.packed.packed_decode_available() else "this torch build has no oneDNN packed linear"
@@ -349,9 +348,13 @@ class AttnPacked(AttnEager):
     def generate(self, ctx: CellContext, new_tokens: int, want_logits: bool) -> Generated:
         ctx.model.packed_decode = True  # the packed copies stay between generations: the weights do not change
         try:
-            return super().generate(ctx, new_tokens, want_logits)
+            return super().generate(ctx, new_tokens, want_logits)  # type: ignore[misc]
         finally:
             ctx.model.packed_decode = False
+
+
+class AttnPacked(PackedDecode, AttnEager):
+    """``attn.generate`` on the eager model with packed decode."""
 
 
 class AttnCompiled(AttnEager):
@@ -381,9 +384,14 @@ class AttnCompiled(AttnEager):
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
         return (
             f"{stats.linears_rewritten} linear layer(s) and {stats.attention_rewritten} attention call(s) "
-            f"rewritten as reductions ({layers}); SIMD width {width}; "
+            f"rewritten as reductions, {stats.linears_packed} reading packed weights ({layers}); SIMD width {width}; "
             f"{stats.compile_seconds:.1f} s in inductor"
         )
+
+
+class AttnCompiledPacked(PackedDecode, AttnCompiled):
+    """``attn.compile_for_decode`` with packed decode: its step's matrix products (more rows
+    than ``max_rows``) read packed weights."""
 
 
 class AttnTorchCompile(AttnEager):
@@ -580,6 +588,11 @@ CONTENDERS: dict[str, Any] = {
         "attn-compiled",
         None,
         "attn.compile_for_decode: eager prefill, inductor decode step with row-wise linears",
+    ),
+    "attn-compiled-packed": lambda: AttnCompiledPacked(
+        "attn-compiled-packed",
+        None,
+        "attn.compile_for_decode with packed decode: matrix products over more rows than max_rows read packed weights",
     ),
     "attn-compiled-plain": lambda: AttnCompiled(
         "attn-compiled-plain",
