@@ -7,8 +7,10 @@ rows in fp32 and 19 ms at one row in bf16 against 19 and 10 ms from weights laid
 (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's freezing uses).
 
 ``attn.set_packed_decode(model)`` turns it on for a model's eager decode steps (one token
-per row, passes that use the cache, on the CPU, in bf16 or fp32); prefill, scoring, training
-and compiled passes run the stock kernels. Each weight is packed on first use and again
+per row, passes that use the cache, on the CPU, in bf16 or fp32) and for the matrix products
+of ``attn.compile_for_decode``'s step (linears over more rows than its ``max_rows``, through
+the ``attn::packed_linear`` operator); prefill, scoring, training and ``torch.compile``-d
+passes run the stock kernels. Each weight is packed on first use and again
 whenever it changes (an optimizer step, a load: its version counter or storage moves), so
 an RL loop that trains between generations decodes with its current weights.
 
@@ -112,7 +114,7 @@ def packed_linears() -> Iterator[None]:
 
 
 def set_packed_decode(model: torch.nn.Module, enabled: bool = True) -> None:
-    """Turns packed decode (the module doc) on or off for ``model``'s eager decode steps.
+    """Turns packed decode (the module doc) on or off for ``model``'s decode steps.
 
     Args:
         model: a ``TransformerDecoder``, or a ``torch.compile`` of one.
