@@ -192,3 +192,29 @@ def test_a_tied_head_reads_the_packed_embedding(packs: list[torch.Tensor]) -> No
     with attn.cached_inference(model):
         model(torch.tensor([[1]]))
     assert packs[-1] is model.tok_embeddings.weight
+
+
+def test_lora_adapters_train_between_packed_generations() -> None:
+    """LoRA-PPO's loop: generate with packed decode, step the adapters, generate again. The
+    frozen base weights stay packed, the adapters run the stock kernel, and every generation
+    equals the same model's without packing."""
+    from attn.demo.lora import add_lora, lora_parameters
+
+    model = tiny_model(5)
+    adapters = add_lora(model, rank=2, seed=1)
+    with torch.no_grad():
+        for adapter in adapters:
+            adapter.up.weight.normal_(0.0, 0.3)  # a trained adapter, not a zero one
+    optimizer = torch.optim.SGD(lora_parameters(model), lr=0.5)
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    for _ in range(2):
+        attn.set_packed_decode(model)
+        packed_out = attn.generate(model, prompts, max_new_tokens=5, return_logits=True)
+        model.packed_decode = False
+        plain_out = attn.generate(model, prompts, max_new_tokens=5, return_logits=True)
+        assert torch.equal(packed_out.tokens, plain_out.tokens)
+        torch.testing.assert_close(packed_out.logits, plain_out.logits, atol=2e-5, rtol=2e-5)
+        loss = model(packed_out.tokens).logsumexp(-1).mean()  # a grad step on the adapters only
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
