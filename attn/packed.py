@@ -117,7 +117,8 @@ def set_packed_decode(model: torch.nn.Module, enabled: bool = True) -> None:
     """Turns packed decode (the module doc) on or off for ``model``'s decode steps.
 
     Args:
-        model: a ``TransformerDecoder``, or a ``torch.compile`` of one.
+        model: a ``TransformerDecoder``, a ``torch.compile`` of one, or
+            ``attn.compile_for_decode``'s wrapper.
         enabled: ``False`` turns it off and frees the packed copies of its weights.
 
     Raises:
@@ -127,10 +128,12 @@ def set_packed_decode(model: torch.nn.Module, enabled: bool = True) -> None:
     if not isinstance(enabled, bool):
         raise ValueError(f"set_packed_decode: enabled must be a bool, got {enabled!r}")
     target = getattr(model, "_orig_mod", model)
+    if "packed_decode" not in vars(target):  # attn.compile_for_decode's wrapper keeps the model as .model
+        target = getattr(target, "model", target)
     if "packed_decode" not in vars(target):
         raise ValueError(
-            f"set_packed_decode takes an attn.TransformerDecoder (or a torch.compile of one), got a "
-            f"{type(model).__name__}"
+            f"set_packed_decode takes an attn.TransformerDecoder, a torch.compile of one or "
+            f"attn.compile_for_decode's wrapper, got a {type(model).__name__}"
         )
     if enabled and not packed_decode_available():
         raise ValueError(

@@ -170,7 +170,7 @@ def test_compiled_passes_run_the_stock_kernels_in_one_graph(packs: list[torch.Te
 @pytest.mark.parametrize(
     ("model", "enabled", "message"),
     [
-        (torch.nn.Linear(2, 2), True, r"takes an attn.TransformerDecoder .* got a Linear"),
+        (torch.nn.Linear(2, 2), True, r"takes an attn.TransformerDecoder, .* got a Linear"),
         (None, "yes", r"enabled must be a bool, got 'yes'"),
     ],
 )
@@ -218,3 +218,12 @@ def test_lora_adapters_train_between_packed_generations() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+
+def test_it_takes_the_model_through_its_wrappers() -> None:
+    model = tiny_model()
+    for wrapper in (torch.compile(model, backend="eager"), attn.compile_for_decode(model)):
+        attn.set_packed_decode(wrapper)
+        assert model.packed_decode
+        attn.set_packed_decode(wrapper, False)
+        assert not model.packed_decode
