@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.casts import cast
+from attn.checks import head_shape
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.packed import Linear
@@ -90,13 +91,7 @@ class MultiHeadAttention(nn.Module):
         cache_state: CacheState | None = None,
     ) -> None:
         super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim is None:
-            if embed_dim % num_heads:
-                raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
-            head_dim = embed_dim // num_heads
+        num_kv_heads, head_dim = head_shape(embed_dim, num_heads, num_kv_heads, head_dim)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from numbers import Integral, Real
 from typing import Any
 
-__all__ = ["bad_ids", "check_positive_int", "is_int", "is_number"]
+__all__ = ["bad_ids", "check_positive_int", "head_shape", "is_int", "is_number"]
 
 
 def is_int(value: Any) -> bool:
@@ -29,6 +29,20 @@ def check_positive_int(value: Any, name: str, *, or_none: bool = False) -> None:
         return
     if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int{' or None' if or_none else ''}, got {value!r}")
+
+
+def head_shape(embed_dim: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` with their defaults (``num_heads``, ``embed_dim //
+    num_heads``) filled in; raises ``ValueError`` unless the query heads group evenly over the
+    key/value heads and, without a ``head_dim``, split ``embed_dim`` evenly."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
+        head_dim = embed_dim // num_heads
+    return num_kv_heads, head_dim
 
 
 def bad_ids(ids: Iterable[Any], vocab_size: int) -> list[Any]:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.attention import MultiHeadAttention
-from attn.checks import check_positive_int, is_int, is_number
+from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
 from attn.packed import Linear, linear, packed_linears
@@ -105,19 +105,9 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "hidden_dim", "max_seq_len"):
             check_positive_int(getattr(self, name), f"DecoderConfig.{name}")
-        if self.num_kv_heads is None:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim is None:
-            if self.embed_dim % self.num_heads:
-                raise ValueError(
-                    f"embed_dim ({self.embed_dim}) is not divisible by num_heads ({self.num_heads}); "
-                    "set head_dim explicitly"
-                )
-            object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
+        num_kv_heads, head_dim = head_shape(self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim)
+        object.__setattr__(self, "num_kv_heads", num_kv_heads)
+        object.__setattr__(self, "head_dim", head_dim)
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int (RoPE rotates pairs), got {self.head_dim}")
         for name in ("norm_eps", "rope_base"):

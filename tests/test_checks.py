@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attn.checks import bad_ids, check_positive_int, is_int, is_number
+from attn.checks import bad_ids, check_positive_int, head_shape, is_int, is_number
 from attn.errors import first_line
 
 VALUES = st.one_of(
@@ -46,3 +46,26 @@ def test_bad_ids_are_the_ones_outside_the_vocabulary_or_not_integers() -> None:
 def test_first_line_quotes_the_type_and_the_first_line() -> None:
     assert first_line(ValueError("bad thing\nmore detail")) == "ValueError: bad thing"
     assert first_line(KeyError()) == "KeyError"
+
+
+@given(
+    embed_dim=st.integers(1, 64),
+    num_heads=st.integers(-1, 12),
+    num_kv_heads=st.one_of(st.none(), st.integers(-1, 12)),
+    head_dim=st.one_of(st.none(), st.integers(1, 16)),
+)
+def test_head_shape_fills_defaults_or_names_what_does_not_divide(embed_dim, num_heads, num_kv_heads, head_dim) -> None:
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    groups = num_heads > 0 and kv > 0 and num_heads % kv == 0
+    splits = head_dim is not None or (num_heads > 0 and embed_dim % num_heads == 0)
+    if not groups:
+        with pytest.raises(ValueError, match=rf"num_heads \({num_heads}\) must be a positive multiple of num_kv_heads"):
+            head_shape(embed_dim, num_heads, num_kv_heads, head_dim)
+    elif not splits:
+        with pytest.raises(ValueError, match=rf"embed_dim \({embed_dim}\) is not divisible by num_heads"):
+            head_shape(embed_dim, num_heads, num_kv_heads, head_dim)
+    else:
+        assert head_shape(embed_dim, num_heads, num_kv_heads, head_dim) == (
+            kv,
+            head_dim if head_dim is not None else embed_dim // num_heads,
+        )
