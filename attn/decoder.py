@@ -24,7 +24,7 @@ from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
-from attn.packed import Linear, linear, packed_linears
+from attn.packed import Linear, linear, packed_decode_available, packed_linears
 from attn.parity import ParityKernels
 from attn.plan import Kernel, Linears, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
@@ -504,16 +504,20 @@ class TransformerDecoder(nn.Module):
             linears = "exact" if self.parity else "default"
         if linears == "exact":
             return ParityKernels()
-        return packed_linears() if linears == "packed" else contextlib.nullcontext()
+        return contextlib.nullcontext() if linears == "default" else packed_linears(linears)
 
     def linear_kernels(self, use_cache: bool, num_tokens: int) -> Linears:
-        """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones;
-        packed ones for an eager decode step (one token per row, with the cache) where
-        ``attn.set_packed_decode`` asked for them; else torch's."""
+        """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones; for
+        an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
+        where ``attn.set_packed_decode`` asked for them; else torch's."""
+        packed = bool(
+            self.packed_decode
+        )  # first, as a bool: a compiled step guards it (compile_for_decode packs by it)
         if self.parity:
             return "exact"
-        packed = self.packed_decode and use_cache and num_tokens == 1 and not torch.compiler.is_compiling()
-        return "packed" if packed else "default"
+        if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
+            return "default"
+        return "packed" if packed else "onednn"
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's

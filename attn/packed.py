@@ -14,7 +14,11 @@ passes run the stock kernels. Each weight is packed on first use and again
 whenever it changes (an optimizer step, a load: its version counter or storage moves), so
 an RL loop that trains between generations decodes with its current weights.
 
-The price is memory: a packed copy of every weight a decode step reads, as large as the
+Without the switch, eager fp32 decode steps still run oneDNN's product, on the weight as it is
+(``PassPlan.linears == "onednn"``: no copy; 36-38 ms against MKL's 63-68 for those linears at 16
+rows); bf16 ones keep ``F.linear``, which is oneDNN's already.
+
+The price of packing is memory: a packed copy of every weight a decode step reads, as large as the
 weights themselves, kept while packed decode is on (``set_packed_decode(model, False)``
 frees it). bf16 results equal the stock kernel's bit for bit in the shapes measured; fp32
 ones differ in the last bits (another kernel's summation order).
@@ -23,6 +27,7 @@ ones differ in the last bits (another kernel's summation order).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -37,9 +42,10 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 # weight -> ((its version, its storage), the packed copy), by identity; an entry goes when its weight does.
 _PACKS = WeakIdKeyDictionary()
-_this_thread = threading.local()  # .packed: inside packed_linears() on this thread
+_this_thread = threading.local()  # .kind: inside packed_linears(kind) on this thread
 
 
+@functools.cache
 def packed_decode_available() -> bool:
     """Does the installed torch have oneDNN's packed linear (CPU builds with MKL-DNN)?"""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -68,10 +74,14 @@ def _packed(weight: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; inside ``packed_linears()``, in eager code, its packed form where the
-    weight can be packed (a CPU bf16/fp32 tensor; not a DTensor, not another device)."""
-    if not torch.compiler.is_compiling() and getattr(_this_thread, "packed", False):
+    """``F.linear``; inside ``packed_linears()``, in eager code, oneDNN's product where the
+    weight can be packed (a CPU bf16/fp32 tensor; not a DTensor, not another device): on its
+    packed copy, or (``kind="onednn"``, fp32 only) on the weight as it is."""
+    kind = None if torch.compiler.is_compiling() else getattr(_this_thread, "kind", None)
+    if kind == "packed":
         return _packed_product(x, weight, bias)
+    if kind == "onednn" and weight.dtype == torch.float32 and _packable(x, weight, bias):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -103,14 +113,16 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 @contextlib.contextmanager
-def packed_linears() -> Iterator[None]:
-    """This thread's ``attn.packed.linear`` calls read packed weights for the block."""
-    before = getattr(_this_thread, "packed", False)
-    _this_thread.packed = True
+def packed_linears(kind: str = "packed") -> Iterator[None]:
+    """This thread's ``attn.packed.linear`` calls run oneDNN's product for the block: on packed
+    weights (``"packed"``), or on fp32 weights as they are (``"onednn"``: no copy; at 16 rows
+    1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``)."""
+    before = getattr(_this_thread, "kind", None)
+    _this_thread.kind = kind
     try:
         yield
     finally:
-        _this_thread.packed = before
+        _this_thread.kind = before
 
 
 def set_packed_decode(model: torch.nn.Module, enabled: bool = True) -> None:

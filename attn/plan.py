@@ -31,10 +31,11 @@ Kernel = Literal["sdpa", "softcap", "exact"]
 soft-capped before the softmax (Gemma 2: ``attn.attention.softcapped_attention``); ``exact``,
 parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
 
-Linears = Literal["default", "packed", "exact"]
-"""How a pass computes its linears and activations: ``default``, torch's kernels; ``packed``,
-weights pre-packed for oneDNN (``attn.packed``: eager CPU decode steps, where the model asks
-for it); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
+Linears = Literal["default", "onednn", "packed", "exact"]
+"""How a pass computes its linears and activations: ``default``, torch's kernels; ``onednn``,
+oneDNN's product on fp32 weights as they are (eager CPU decode steps); ``packed``, on weights
+pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``exact``,
+parity mode's (``attn.parity.ParityKernels``)."""
 
 
 class PassPlan(NamedTuple):

@@ -47,10 +47,12 @@ def _uncached_logits(model: attn.TransformerDecoder, tokens: torch.Tensor) -> to
     prompt=st.integers(1, 6),
     steps=st.integers(1, 5),
     seed=st.integers(0, 2**16),
+    packed_decode=st.booleans(),
 )
-def test_packed_decode_steps_match_an_uncached_recomputation(dtype, rows, prompt, steps, seed) -> None:
+def test_decode_steps_match_an_uncached_recomputation(dtype, rows, prompt, steps, seed, packed_decode) -> None:
+    """Packed, or (the default) oneDNN's product on the weights as they are in fp32."""
     model = tiny_model(seed % 7).to(dtype)
-    attn.set_packed_decode(model)
+    attn.set_packed_decode(model, packed_decode)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 61, (rows, prompt + steps), generator=generator)
     model.setup_caches(rows, prompt + steps)
@@ -227,3 +229,30 @@ def test_it_takes_the_model_through_its_wrappers() -> None:
         assert model.packed_decode
         attn.set_packed_decode(wrapper, False)
         assert not model.packed_decode
+
+
+def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No packed copy, and only decode steps; bf16 steps keep F.linear."""
+    calls: list[torch.Tensor] = []
+    original = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x, weight, *args):  # type: ignore[no-untyped-def]
+        calls.append(weight)
+        return original(x, weight, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    model = tiny_model()
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2]]))
+        assert calls == []  # a prefill: F.linear
+        model(torch.tensor([[3]]))
+    assert [id(w) for w in calls] == [id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not any(w in packed._PACKS for w in calls)
+    calls.clear()
+    model.to(torch.bfloat16).teardown_caches()
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2]]))
+        model(torch.tensor([[3]]))
+    assert calls == []
