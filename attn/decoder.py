@@ -509,15 +509,18 @@ class TransformerDecoder(nn.Module):
     def linear_kernels(self, use_cache: bool, num_tokens: int) -> Linears:
         """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones; for
         an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
-        where ``attn.set_packed_decode`` asked for them; else torch's."""
-        packed = bool(
-            self.packed_decode
-        )  # first, as a bool: a compiled step guards it (compile_for_decode packs by it)
+        where ``attn.set_packed_decode`` asked for them, else on the weights as they are in a
+        CPU fp32 model; else torch's."""
+        # Read first, as a bool: a compiled step guards it (compile_for_decode packs by it).
+        packed = bool(self.packed_decode)
         if self.parity:
             return "exact"
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
             return "default"
-        return "packed" if packed else "onednn"
+        if packed:
+            return "packed"
+        weight = self.tok_embeddings.weight  # the plain-weight product: CPU fp32 models only
+        return "onednn" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "default"
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's

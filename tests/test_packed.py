@@ -256,3 +256,16 @@ def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(monke
         model(torch.tensor([[1, 2]]))
         model(torch.tensor([[3]]))
     assert calls == []
+
+
+def test_the_plan_names_the_linear_kernels_of_each_pass() -> None:
+    model = tiny_model()
+    assert model.linear_kernels(True, 1) == "onednn"  # a CPU fp32 decode step
+    assert model.linear_kernels(True, 2) == model.linear_kernels(False, 1) == "default"
+    attn.set_packed_decode(model)
+    assert model.linear_kernels(True, 1) == "packed"
+    attn.set_packed_decode(model, False)
+    model.to(torch.bfloat16)
+    assert model.linear_kernels(True, 1) == "default"  # bf16 F.linear is oneDNN's already
+    attn.set_parity_mode(model)
+    assert model.linear_kernels(True, 1) == "exact"
