@@ -511,16 +511,18 @@ class TransformerDecoder(nn.Module):
         an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
         where ``attn.set_packed_decode`` asked for them, else on the weights as they are in a
         CPU fp32 model; else torch's."""
-        # Read first, as a bool: a compiled step guards it (compile_for_decode packs by it).
-        packed = bool(self.packed_decode)
         if self.parity:
             return "exact"
+        # A branch on the switch, before any return: a compiled step guards it on every release
+        # (compile_for_decode packs its matrix products by it).
+        if self.packed_decode:
+            kernels: Linears = "packed"
+        else:
+            weight = self.tok_embeddings.weight  # the plain-weight product: CPU fp32 models only
+            kernels = "onednn" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "default"
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
             return "default"
-        if packed:
-            return "packed"
-        weight = self.tok_embeddings.weight  # the plain-weight product: CPU fp32 models only
-        return "onednn" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "default"
+        return kernels
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's
