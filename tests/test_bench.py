@@ -202,6 +202,31 @@ def test_matmul_peak_is_a_positive_rate_with_its_best_sample() -> None:
     assert 0 < median <= best
 
 
+ICE_LAKE = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 106
+model name\t: Intel(R) Xeon(R) Processor @ 2.60GHz
+cache size\t: 49152 KB
+flags\t\t: fpu sse avx2 avx512f avx512_vnni
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16
+"""
+
+
+def test_cpu_description_names_the_kind_from_the_first_processor() -> None:
+    assert run_module.cpu_description(ICE_LAKE) == (
+        "Intel(R) Xeon(R) Processor @ 2.60GHz [GenuineIntel 6/106; AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]"
+    )
+    zen4 = ICE_LAKE.replace("GenuineIntel", "AuthenticAMD").replace("avx512_vnni", "avx512_bf16").replace("106", "17")
+    assert "AuthenticAMD 6/17; AVX-512, AVX512-BF16, no AMX;" in run_module.cpu_description(zen4)
+    # No vendor (another platform's cpuinfo, or none): the name alone.
+    assert run_module.cpu_description("model name\t: Some CPU\n") == "Some CPU"
+    assert run_module.cpu_description("")
+
+
 def test_probe_reads_at_least_what_a_step_reads() -> None:
     # A SmolLM2-135M-shaped model: 30 layers, tied 49,152 x 576 embedding, 9/3 heads of 64.
     config = SMOLLM2

@@ -341,16 +341,39 @@ def _median_latencies(runs: list[Generated], prompt_len: int) -> tuple[list[int]
     return positions, latencies
 
 
+# The instruction sets that set a CPU kind's roofline for decode, as /proc/cpuinfo names them.
+_KIND_FLAGS = {"avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX"}
+
+
+def cpu_description(cpuinfo: str) -> str:
+    """The CPU's name and kind from the text of ``/proc/cpuinfo``: vendor, family and model
+    (two Xeons of one name can be generations apart), the instruction sets a decode step's
+    kernels depend on, and the last-level cache, e.g. ``Intel(R) Xeon(R) Processor @ 2.60GHz
+    [GenuineIntel 6/106; AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]``."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():  # the first processor's block is enough
+            break
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "vendor_id" not in fields:
+        return name
+    flags = set(fields.get("flags", "").split())
+    sets = ", ".join(label if flag in flags else f"no {label}" for flag, label in _KIND_FLAGS.items())
+    kind = f"{fields['vendor_id']} {fields.get('cpu family', '?')}/{fields.get('model', '?')}; {sets}"
+    cache = fields.get("cache size", "").split()
+    if len(cache) == 2 and cache[0].isdigit() and cache[1] == "KB":
+        kind += f"; {int(cache[0]) / 1024:g} MiB cache"
+    return f"{name} [{kind}]"
+
+
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            cpu = cpu_description(cpuinfo.read(65536))
     except OSError:
-        pass
+        cpu = cpu_description("")
     info: dict[str, Any] = {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
