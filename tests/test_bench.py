@@ -227,6 +227,15 @@ def test_cpu_description_names_the_kind_from_the_first_processor() -> None:
     assert run_module.cpu_description("")
 
 
+@pytest.mark.parametrize("cpu_bf16", [True, False])
+def test_bf16_peak_is_the_fp32_one_where_the_cpu_widens_bf16(monkeypatch: pytest.MonkeyPatch, cpu_bf16: bool) -> None:
+    rates = {torch.bfloat16: (50.0, 55.0), torch.float32: (200.0, 210.0)}
+    monkeypatch.setattr(bench.measure, "_product_rate", lambda dtype, threads, size, repeats: rates[dtype])
+    monkeypatch.setattr(bench.measure, "bf16_arithmetic", lambda: cpu_bf16)
+    assert bench.measure.matmul_peak(torch.bfloat16, 2) == (rates[torch.bfloat16] if cpu_bf16 else rates[torch.float32])
+    assert bench.measure.matmul_peak(torch.float32, 2) == rates[torch.float32]
+
+
 def test_probe_reads_at_least_what_a_step_reads() -> None:
     # A SmolLM2-135M-shaped model: 30 layers, tied 49,152 x 576 embedding, 9/3 heads of 64.
     config = SMOLLM2

@@ -3,6 +3,7 @@ change, and gives the stock kernels' results."""
 
 from __future__ import annotations
 
+import platform
 import threading
 
 import pytest
@@ -27,9 +28,9 @@ def packs(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     read: list[torch.Tensor] = []
     original = packed._packed
 
-    def recording(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    def recording(weight: torch.Tensor, rows: int, wide: bool) -> torch.Tensor:
         read.append(weight)
-        return original(weight, rows)
+        return original(weight, rows, wide)
 
     monkeypatch.setattr(packed, "_packed", recording)
     return read
@@ -43,20 +44,25 @@ def _uncached_logits(model: attn.TransformerDecoder, tokens: torch.Tensor) -> to
 
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    rows=st.integers(1, 4),
+    rows=st.integers(1, 5),
     prompt=st.integers(1, 6),
     steps=st.integers(1, 5),
     seed=st.integers(0, 2**16),
     packed_decode=st.booleans(),
+    cpu_bf16=st.booleans(),
 )
-def test_decode_steps_match_an_uncached_recomputation(dtype, rows, prompt, steps, seed, packed_decode) -> None:
-    """Packed, or (the default) oneDNN's product on the weights as they are in fp32."""
+def test_decode_steps_match_an_uncached_recomputation(
+    dtype, rows, prompt, steps, seed, packed_decode, cpu_bf16
+) -> None:
+    """Packed (bf16 widened to fp32 from 4 rows on a CPU without bf16 arithmetic, whichever
+    this one is), or (the default) oneDNN's product on the weights as they are in fp32."""
     model = tiny_model(seed % 7).to(dtype)
     attn.set_packed_decode(model, packed_decode)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 61, (rows, prompt + steps), generator=generator)
     model.setup_caches(rows, prompt + steps)
-    with attn.cached_inference(model):
+    with attn.cached_inference(model), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed, "bf16_arithmetic", lambda: cpu_bf16)
         cached = [model(tokens[:, :prompt])]
         cached += [model(tokens[:, i : i + 1]) for i in range(prompt, prompt + steps)]
     got = torch.cat(cached, 1).float()
@@ -135,6 +141,35 @@ def test_the_packed_product_matches_f_linear_in_any_shape() -> None:
             assert got.shape == want.shape and got.dtype == dtype
             tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
             torch.testing.assert_close(got.double(), want, **tolerance)
+
+
+@pytest.mark.parametrize("cpu_bf16", [True, False])
+def test_bf16_products_widen_from_four_rows_on_a_cpu_without_bf16_arithmetic(
+    monkeypatch: pytest.MonkeyPatch, cpu_bf16: bool
+) -> None:
+    monkeypatch.setattr(packed, "bf16_arithmetic", lambda: cpu_bf16)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(24, 40).bfloat16(), torch.randn(24).bfloat16()
+    for rows in (1, 3, 4, 16):
+        x = torch.randn(rows, 40).bfloat16()
+        with packed_linears():
+            got = linear(x, weight, bias)
+        want = F.linear(x.double(), weight.double(), bias.double())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.02)
+        wide = not cpu_bf16 and rows >= packed.WIDEN_FROM_ROWS
+        assert packed._PACKS[weight][1].dtype == (torch.float32 if wide else torch.bfloat16)
+    fp32 = weight.float()
+    with packed_linears():
+        linear(torch.randn(16, 40), fp32)
+    assert packed._PACKS[fp32][1].dtype == torch.float32  # fp32 weights are packed as they are
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads x86 /proc/cpuinfo")
+def test_bf16_arithmetic_agrees_with_the_cpu_flags() -> None:
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert packed.bf16_arithmetic() == ("avx512_bf16" in flags or "amx_tile" in flags)
 
 
 def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attn.decoder import DecoderConfig, TransformerDecoder
+from attn.packed import bf16_arithmetic
 
 __all__ = [
     "Comparison",
@@ -218,7 +219,19 @@ def matmul_peak(dtype: torch.dtype, threads: int, *, size: int = 1024, repeats: 
     products in ``dtype`` on ``threads`` intra-op threads (restored after): the compute-bound
     side of the roofline, as ``read_bandwidth`` is the memory-bound side. A square product of
     1024 is compute-bound on every CPU here (it reads 2 x 1024^2 elements per 2 x 1024^3 FLOPs)
-    and the BLAS behind ``torch.mm`` (oneDNN, MKL) runs it near its peak for that dtype."""
+    and the BLAS behind ``torch.mm`` (oneDNN, MKL) runs it near its peak for that dtype.
+
+    bf16 on a CPU without bf16 arithmetic (``attn.packed.bf16_arithmetic``): the faster of the
+    bf16 and the fp32 product. Such a CPU widens bf16 to fp32 whichever kernel runs, and packed
+    decode does it outright (``attn.packed.widens``), so the fp32 rate is the peak for bf16
+    matrices there; the bf16 kernel's own rate (a quarter of it on an Ice Lake Xeon) is not."""
+    rate = _product_rate(dtype, threads, size, repeats)
+    if dtype == torch.bfloat16 and not bf16_arithmetic():
+        return max(rate, _product_rate(torch.float32, threads, size, repeats))
+    return rate
+
+
+def _product_rate(dtype: torch.dtype, threads: int, size: int, repeats: int) -> tuple[float, float]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -50,8 +50,11 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
             f"read per step); weights {info.weights_mb:.0f} MiB, cache {info.cache_mb:.1f} MiB"
         )
         peaks = info.compute_gflops_samples
+        products = f"{info.dtype} 1024^3 products"
+        if info.dtype == "bf16":  # attn.bench.measure.matmul_peak
+            products += " or fp32 ones, where faster: a CPU without bf16 arithmetic widens bf16"
         lines.append(
-            f"  compute: {info.compute_gflops:.0f} GFLOP/s ({info.dtype} 1024^3 products, {info.threads} "
+            f"  compute: {info.compute_gflops:.0f} GFLOP/s ({products}, {info.threads} "
             f"thread(s); samples {min(peaks):.0f}-{max(peaks):.0f}); compute-bound limit "
             f"{info.compute_limit_tokens_per_s:.0f} tok/s ({info.flops_per_step / 1e9:.2f} GFLOP per step); "
             f"roofline {info.roofline_tokens_per_s:.0f} tok/s, {info.bound}-bound"
