@@ -35,6 +35,7 @@ import functools
 import platform
 import threading
 from collections.abc import Iterator
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["Linear", "linear", "packed_decode_available", "packed_linear", "packed_linears", "set_packed_decode"]
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+PackedKind = Literal["packed", "onednn"]
+"""The products ``packed_linears`` runs: on packed copies, or on fp32 weights as they are."""
 
 # weight -> ((its version, its storage), the packed copy), by identity; an entry goes when its weight does.
 _PACKS = WeakIdKeyDictionary()
@@ -122,11 +125,11 @@ def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if not _packable(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()
-    if widens(weight, rows):
-        bias = None if bias is None else bias.float()
-        out = torch.ops.mkldnn._linear_pointwise(x.float(), _packed(weight, rows, True), bias, "none", [], "")
-        return out.to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed(weight, rows, False), bias, "none", [], "")
+    wide = widens(weight, rows)
+    if wide:  # fp32 operands on an fp32 copy; the output rounds back below
+        x, bias = x.float(), None if bias is None else bias.float()
+    out = torch.ops.mkldnn._linear_pointwise(x, _packed(weight, rows, wide), bias, "none", [], "")
+    return out.to(weight.dtype)
 
 
 class Linear(nn.Linear):
@@ -151,10 +154,16 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 @contextlib.contextmanager
-def packed_linears(kind: str = "packed") -> Iterator[None]:
+def packed_linears(kind: PackedKind = "packed") -> Iterator[None]:
     """This thread's ``attn.packed.linear`` calls run oneDNN's product for the block: on packed
     weights (``"packed"``), or on fp32 weights as they are (``"onednn"``: no copy; at 16 rows
-    1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``)."""
+    1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``).
+
+    Raises:
+        ValueError: ``kind`` is neither.
+    """
+    if kind not in get_args(PackedKind):
+        raise ValueError(f"packed_linears: kind must be one of {get_args(PackedKind)}, got {kind!r}")
     before = getattr(_this_thread, "kind", None)
     _this_thread.kind = kind
     try:

@@ -181,6 +181,13 @@ def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) ->
     assert packs == []
 
 
+def test_an_unknown_kind_is_refused_before_the_switch_moves() -> None:
+    switch = packed_linears("mkl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn'\), got 'mkl'"):
+        switch.__enter__()
+    assert getattr(packed._this_thread, "kind", None) is None
+
+
 def test_the_switch_is_per_thread(packs: list[torch.Tensor]) -> None:
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
     seen = []
