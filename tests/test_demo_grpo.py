@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn.demo.grpo import grpo_pattern
+from attn.demo.grpo import GRPOConfig, grpo_pattern
 from attn.demo.model import build_model
 from attn.demo.patterns import train
 from attn.demo.task import AdditionTask
@@ -28,7 +28,9 @@ def test_first_ratio_is_exactly_one_and_the_model_is_left_alone(trained) -> None
         model(torch.tensor([task.prompt_ids(p) for p in task.eval_problems]))
     before = cache_state(model)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    result = grpo_pattern(model, task, task.train_problems[:4], group_size=4, rounds=2, inner_steps=2, seed=3)
+    result = grpo_pattern(
+        model, task, task.train_problems[:4], GRPOConfig(group_size=4, rounds=2, inner_steps=2), seed=3
+    )
     assert result.first_ratio_min == 1.0 == result.first_ratio_max and result.first_ratio_tokens > 0
     assert result.parity_max_abs_diff == 0.0 and result.exact
     assert result.default_max_abs_diff > 0.0  # bf16 default kernels: the mismatch parity mode removes
@@ -39,7 +41,6 @@ def test_first_ratio_is_exactly_one_and_the_model_is_left_alone(trained) -> None
     model.teardown_caches()
 
 
-def test_bad_settings_are_refused(trained) -> None:
-    task, model = trained
+def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="group_size >= 2; got 1, 2, 1"):
-        grpo_pattern(model, task, task.train_problems[:2], rounds=1, inner_steps=2, group_size=1)
+        GRPOConfig(rounds=1, inner_steps=2, group_size=1)

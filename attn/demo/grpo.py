@@ -28,7 +28,30 @@ from attn.generation import GenerationOutput, generate
 from attn.logprobs import completion_logprobs
 from attn.parity import set_parity_mode
 
-__all__ = ["GRPOResult", "grpo_pattern"]
+__all__ = ["GRPOConfig", "GRPOResult", "grpo_pattern"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """The hyperparameters of ``grpo_pattern``; checked when made."""
+
+    group_size: int = 8
+    """G: samples per prompt."""
+    rounds: int = 8
+    """Rollouts, each followed by ``inner_steps`` policy steps on it."""
+    inner_steps: int = 2
+    lr: float = 5e-3
+    clip: float = 0.2
+    """The importance ratio's clip range: [1 - clip, 1 + clip]."""
+    kl_coef: float = 0.05
+    """The weight of the k3 KL estimate against the reference (the adapters off)."""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.inner_steps < 1 or self.group_size < 2:
+            raise ValueError(
+                "GRPO needs rounds >= 1, inner_steps >= 1, group_size >= 2; "
+                f"got {self.rounds}, {self.inner_steps}, {self.group_size}"
+            )
 
 
 @dataclass
@@ -88,41 +111,30 @@ def _mismatch(policy: nn.Module, out: GenerationOutput, group_size: int) -> tupl
 
 
 def grpo_pattern(
-    model: nn.Module,
-    task: AdditionTask,
-    problems: list[Problem],
-    *,
-    group_size: int = 8,
-    rounds: int = 8,
-    inner_steps: int = 2,
-    lr: float = 5e-3,
-    clip: float = 0.2,
-    kl_coef: float = 0.05,
-    seed: int = 0,
+    model: nn.Module, task: AdditionTask, problems: list[Problem], config: GRPOConfig | None = None, seed: int = 0
 ) -> GRPOResult:
-    """GRPO on a bf16 copy of ``model`` with LoRA adapters, in parity mode (the module doc).
+    """GRPO on a bf16 copy of ``model`` with LoRA adapters, in parity mode (the module doc),
+    with ``config``'s hyperparameters (``GRPOConfig()`` where None).
 
     ``model`` (or the model a ``torch.compile`` wraps) is copied without its caches, and is
     left as it was.
     """
-    if rounds < 1 or inner_steps < 1 or group_size < 2:
-        raise ValueError(
-            f"GRPO needs rounds >= 1, inner_steps >= 1, group_size >= 2; got {rounds}, {inner_steps}, {group_size}"
-        )
+    config = GRPOConfig() if config is None else config
+    rounds, inner_steps, clip, kl_coef = config.rounds, config.inner_steps, config.clip, config.kl_coef
     policy = copy.deepcopy(base_model(model))
     if policy.caches_are_setup():
         policy.teardown_caches()
     policy = policy.to(torch.bfloat16)
     if not lora_parameters(policy):  # LoRA-PPO's adapters, where it ran first, train on
         add_lora(policy, rank=4, seed=seed)
-    B, G = len(problems), group_size
+    B, G = len(problems), config.group_size
 
     set_parity_mode(policy, False)  # the same first rollout with the default kernels
     default_diff, default_outside = _mismatch(policy, _rollout(policy, task, problems, G, seed)[0], G)
     set_parity_mode(policy)
     parity_diff = _mismatch(policy, _rollout(policy, task, problems, G, seed)[0], G)[0]
 
-    optimizer = torch.optim.AdamW(lora_parameters(policy), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(lora_parameters(policy), lr=config.lr, weight_decay=0.0)
     reward_before = float(_rollout(policy, task, problems, G, seed + 1)[1].mean())
     first_ratio: torch.Tensor | None = None
     for round_ in range(rounds):
