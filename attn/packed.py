@@ -126,10 +126,10 @@ def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()
     wide = widens(weight, rows)
-    if wide:  # fp32 operands on an fp32 copy; the output rounds back below
+    if wide:  # fp32 operands on an fp32 copy; the output is rounded back below
         x, bias = x.float(), None if bias is None else bias.float()
     out = torch.ops.mkldnn._linear_pointwise(x, _packed(weight, rows, wide), bias, "none", [], "")
-    return out.to(weight.dtype)
+    return out.to(weight.dtype) if wide else out
 
 
 class Linear(nn.Linear):
@@ -141,14 +141,24 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-@torch.library.custom_op("attn::packed_linear", mutates_args=())
+# attn::packed_linear, the operator compiled code calls. Defined on a plain library, not with
+# torch.library.custom_op: that adds an autograd layer of its own in Python to every call, 20-50
+# us, and a 16-row step makes 211 of them (SmolLM2's shape); a step never needs a gradient.
+_LIBRARY = torch.library.Library("attn", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``attn.packed.linear`` inside ``packed_linears()``, as an operator that compiled code
-    calls (``attn.compile_for_decode``'s step, for linears it does not rewrite)."""
+    """``attn.packed.linear`` inside ``packed_linears()``, as the operator ``attn::packed_linear``
+    that compiled code calls (``attn.compile_for_decode``'s step, for linears it does not
+    rewrite). No gradient flows through it."""
     return _packed_product(x, weight, bias)
 
 
-@packed_linear.register_fake
+_LIBRARY.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("attn::packed_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
