@@ -142,8 +142,9 @@ class Linear(nn.Linear):
 
 
 # attn::packed_linear, the operator compiled code calls. Defined on a plain library, not with
-# torch.library.custom_op: that adds an autograd layer of its own in Python to every call, 20-50
-# us, and a 16-row step makes 211 of them (SmolLM2's shape); a step never needs a gradient.
+# torch.library.custom_op, whose Python layers (autograd among them) cost every call more than a
+# small product's own Python does; a decode step makes one call per linear and never needs a
+# gradient (docs/performance.md, "The packed operator's own cost").
 _LIBRARY = torch.library.Library("attn", "DEF")
 _LIBRARY.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
