@@ -24,7 +24,7 @@ from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
-from attn.packed import Linear, linear, packed_decode_available, packed_linears
+from attn.packed import Linear, linear, packed_decode_available, packed_linears, plain_onednn_faster
 from attn.parity import ParityKernels
 from attn.plan import Kernel, Linears, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
@@ -510,7 +510,8 @@ class TransformerDecoder(nn.Module):
         """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones; for
         an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
         where ``attn.set_packed_decode`` asked for them, else on the weights as they are in a
-        CPU fp32 model; else torch's."""
+        CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
+        CPUs); else torch's."""
         if self.parity:
             return "exact"
         # A branch on the switch, before any return: a compiled step guards it on every release
@@ -522,7 +523,7 @@ class TransformerDecoder(nn.Module):
             kernels = "onednn" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "default"
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
             return "default"
-        return kernels
+        return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's

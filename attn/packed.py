@@ -14,9 +14,11 @@ passes run the stock kernels. Each weight is packed on first use and again
 whenever it changes (an optimizer step, a load: its version counter or storage moves), so
 an RL loop that trains between generations decodes with its current weights.
 
-Without the switch, eager fp32 decode steps still run oneDNN's product, on the weight as it is
-(``PassPlan.linears == "onednn"``: no copy; 36-38 ms against MKL's 63-68 for those linears at 16
-rows); bf16 ones keep ``F.linear``, which is oneDNN's already.
+Without the switch, eager fp32 decode steps on an AMD CPU still run oneDNN's product, on the
+weight as it is (``PassPlan.linears == "onednn"``: no copy; 36-38 ms against MKL's 63-68 for those
+linears at 16 rows), where torch's fp32 ``F.linear`` runs MKL's slower path
+(``plain_onednn_faster``); on Intel CPUs MKL is the faster of the two and ``F.linear`` stays. bf16
+steps keep ``F.linear``, which is oneDNN's already.
 
 The price of packing is memory: a packed copy of every weight a decode step reads, as large as the
 weights themselves, kept while packed decode is on (``set_packed_decode(model, False)``
@@ -57,6 +59,29 @@ _this_thread = threading.local()  # .kind: inside packed_linears(kind) on this t
 def packed_decode_available() -> bool:
     """Does the installed torch have oneDNN's packed linear (CPU builds with MKL-DNN)?"""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@functools.cache
+def plain_onednn_faster() -> bool:
+    """Is oneDNN's product on an fp32 weight as it is faster than ``F.linear`` (MKL's) for a
+    decode step on this CPU? Yes on AMD's, where MKL does not take its fastest code paths: the
+    30 layers' projections of the SmolLM2-135M shape, 2 threads, 36-38 against 63-68 ms at 16
+    rows and 25 against 28 at one (AMD EPYC). No on Intel's, where MKL's are the faster: whole
+    eager steps 42 against 31 ms at one row and 83 against 76 at 16 (Xeon 6/167 with AMX); and
+    no elsewhere (another vendor, or none to be read): ``F.linear`` is left as it is."""
+    return cpu_vendor() == "AuthenticAMD"
+
+
+@functools.cache
+def cpu_vendor() -> str | None:
+    """The CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``), from ``/proc/cpuinfo`` or, where
+    there is none, ``platform.processor()``; ``None`` where neither names one."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read(65536)
+    except OSError:
+        text = platform.processor()
+    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in text), None)
 
 
 def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -33,7 +33,7 @@ parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
 
 Linears = Literal["default", "onednn", "packed", "exact"]
 """How a pass computes its linears and activations: ``default``, torch's kernels; ``onednn``,
-oneDNN's product on fp32 weights as they are (eager CPU decode steps); ``packed``, on weights
+oneDNN's product on fp32 weights as they are (eager decode steps on AMD CPUs); ``packed``, on weights
 pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``exact``,
 parity mode's (``attn.parity.ParityKernels``)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -273,8 +274,23 @@ def test_it_takes_the_model_through_its_wrappers() -> None:
         assert not model.packed_decode
 
 
-def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No packed copy, and only decode steps; bf16 steps keep F.linear."""
+@pytest.fixture
+def as_vendor(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str | None], None]]:
+    """Sets the CPU vendor ``attn.packed.plain_onednn_faster`` reads, for the test."""
+
+    def set_vendor(vendor: str | None) -> None:
+        monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
+        packed.plain_onednn_faster.cache_clear()
+
+    yield set_vendor
+    packed.plain_onednn_faster.cache_clear()  # before monkeypatch restores the vendor
+
+
+def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(
+    monkeypatch: pytest.MonkeyPatch, as_vendor: Callable[[str | None], None]
+) -> None:
+    """On an AMD CPU: no packed copy, and only decode steps; bf16 steps keep F.linear."""
+    as_vendor("AuthenticAMD")
     calls: list[torch.Tensor] = []
     original = torch.ops.mkldnn._linear_pointwise
 
@@ -300,9 +316,40 @@ def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(monke
     assert calls == []
 
 
-def test_the_plan_names_the_linear_kernels_of_each_pass() -> None:
+@pytest.mark.parametrize("vendor", ["GenuineIntel", None])
+def test_a_default_fp32_decode_step_keeps_f_linear_off_amd_cpus(
+    monkeypatch: pytest.MonkeyPatch, as_vendor: Callable[[str | None], None], vendor: str | None
+) -> None:
+    """MKL's F.linear is the faster there (docs/performance.md): no oneDNN call, no copy."""
+    as_vendor(vendor)
+    calls: list[torch.Tensor] = []
+    original = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *a: calls.append(w) or original(x, w, *a))
     model = tiny_model()
-    assert model.linear_kernels(True, 1) == "onednn"  # a CPU fp32 decode step
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2]]))
+        model(torch.tensor([[3]]))
+    assert model.linear_kernels(True, 1) == "default"
+    assert calls == []
+
+
+def test_cpu_vendor_agrees_with_proc_cpuinfo() -> None:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to compare with")
+    vendor_ids = {line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")}
+    expected = next(iter(vendor_ids)) if vendor_ids else None
+    assert packed.cpu_vendor() == (expected if expected in ("GenuineIntel", "AuthenticAMD") else None)
+    assert packed.plain_onednn_faster() == (expected == "AuthenticAMD")
+
+
+def test_the_plan_names_the_linear_kernels_of_each_pass(as_vendor: Callable[[str | None], None]) -> None:
+    as_vendor("AuthenticAMD")
+    model = tiny_model()
+    assert model.linear_kernels(True, 1) == "onednn"  # a CPU fp32 decode step where oneDNN's is the faster
     assert model.linear_kernels(True, 2) == model.linear_kernels(False, 1) == "default"
     attn.set_packed_decode(model)
     assert model.linear_kernels(True, 1) == "packed"
