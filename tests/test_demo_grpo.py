@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -44,3 +46,27 @@ def test_first_ratio_is_exactly_one_and_the_model_is_left_alone(trained) -> None
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="group_size >= 2; got 1, 2, 1"):
         GRPOConfig(rounds=1, inner_steps=2, group_size=1)
+    with pytest.raises(ValueError, match=re.escape("got 2.5, 2, 8")):
+        GRPOConfig(rounds=2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("lr", 0.0),
+        ("lr", -1e-3),
+        ("clip", 0.0),
+        ("clip", float("nan")),
+        ("kl_coef", -0.1),
+        ("kl_coef", float("inf")),
+        ("lr", True),
+    ],
+)
+def test_bad_rates_are_refused(field: str, value: float) -> None:
+    given = f"{field!r}: {value!r}"
+    with pytest.raises(ValueError, match=f"lr > 0, clip > 0 and kl_coef >= 0, each finite; got .*{re.escape(given)}"):
+        GRPOConfig(**{field: value})
+
+
+def test_good_rates_are_taken() -> None:
+    assert GRPOConfig(kl_coef=0.0, lr=1.0, clip=0.5).kl_coef == 0.0

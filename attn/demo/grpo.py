@@ -16,11 +16,13 @@ default kernels shows the mismatch parity mode removes.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from attn.checks import is_int, is_number
 from attn.demo.lora import adapters_enabled, add_lora, lora_parameters
 from attn.demo.task import AdditionTask, Problem
 from attn.demo.watch import JsonResult, base_model
@@ -47,11 +49,16 @@ class GRPOConfig:
     """The weight of the k3 KL estimate against the reference (the adapters off)."""
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.inner_steps < 1 or self.group_size < 2:
+        counts = (self.rounds, self.inner_steps, self.group_size)
+        if not all(is_int(n) for n in counts) or self.rounds < 1 or self.inner_steps < 1 or self.group_size < 2:
             raise ValueError(
-                "GRPO needs rounds >= 1, inner_steps >= 1, group_size >= 2; "
-                f"got {self.rounds}, {self.inner_steps}, {self.group_size}"
+                "GRPO needs ints rounds >= 1, inner_steps >= 1, group_size >= 2; "
+                f"got {self.rounds!r}, {self.inner_steps!r}, {self.group_size!r}"
             )
+        rates = {"lr": self.lr, "clip": self.clip, "kl_coef": self.kl_coef}
+        bad = {name: value for name, value in rates.items() if not is_number(value) or not 0 <= value < math.inf}
+        if bad or self.lr == 0 or self.clip == 0:
+            raise ValueError(f"GRPO needs lr > 0, clip > 0 and kl_coef >= 0, each finite; got {rates}")
 
 
 @dataclass
