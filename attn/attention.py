@@ -25,7 +25,7 @@ from attn.casts import cast
 from attn.checks import head_shape
 from attn.kv_cache import CacheState, KVCache
 from attn.norm import RMSNorm
-from attn.packed import Linear
+from attn.packed import Linear, cpu_vendor
 from attn.parity import exact_attention
 from attn.plan import Kernel, PassPlan, plan_pass
 from attn.policy import uses_cache
@@ -35,6 +35,16 @@ from attn.threads import check_holder
 __all__ = ["MultiHeadAttention", "softcapped_attention"]
 
 _FOLD_DTYPES = (torch.bfloat16, torch.float16)  # where a decode step's grouped heads run faster folded
+
+
+def _folds(q: torch.Tensor) -> bool:
+    """Does a one-query step hand each group's heads to SDPA as its kv head's queries (one call,
+    no GQA)? In bf16 and fp16: CPU SDPA runs it 2-8x faster (b 1-16, 64-2048 slots, AMD EPYC, 2
+    threads). In fp32 on Intel CPUs only: SDPA 1.6-1.8x at 16 rows, whole eager steps 3-4%
+    (Xeon 6/167, docs/performance.md); on the AMD kind fp32 ran slower folded."""
+    if q.dtype in _FOLD_DTYPES:
+        return True
+    return q.dtype == torch.float32 and q.device.type == "cpu" and cpu_vendor() == "GenuineIntel"
 
 
 class MultiHeadAttention(nn.Module):
@@ -244,10 +254,9 @@ class MultiHeadAttention(nn.Module):
             out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
         elif kernel == "exact":
             out = exact_attention(q, k, v, attn_mask, self.scale)
-        elif gqa and s == 1 and mask is not None and q.dtype in _FOLD_DTYPES and not torch.compiler.is_compiling():
-            # One query per head: the heads of a group become its kv head's queries, one call
-            # with no GQA. CPU SDPA runs it 2-8x faster in bf16 (b 1-16, 64-2048 slots, AMD
-            # EPYC, 2 threads); in fp32 it is slower, and compiled steps have their own kernel.
+        elif gqa and s == 1 and mask is not None and not torch.compiler.is_compiling() and _folds(q):
+            # One query per head: the heads of a group become its kv head's queries (compiled
+            # steps have their own kernel).
             grouped = q.reshape(
                 b, self.num_kv_heads, self.num_heads // self.num_kv_heads, q.shape[-1]
             )  # (b, h_kv, g, d)

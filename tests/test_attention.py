@@ -239,14 +239,25 @@ def test_cache_longer_than_rope_table_is_refused() -> None:
     kv_heads=st.sampled_from([1, 2]),
     group=st.sampled_from([2, 3]),
     slots=st.integers(1, 70),
-    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    vendor=st.sampled_from(["GenuineIntel", "AuthenticAMD", None]),
     seed=st.integers(0, 2**16),
 )
-def test_a_reduced_precision_decode_step_folds_its_heads_and_matches_a_naive_loop(
-    monkeypatch: pytest.MonkeyPatch, b: int, kv_heads: int, group: int, slots: int, dtype: torch.dtype, seed: int
+def test_a_decode_step_folds_its_heads_where_faster_and_matches_a_naive_loop(
+    monkeypatch: pytest.MonkeyPatch,
+    b: int,
+    kv_heads: int,
+    group: int,
+    slots: int,
+    dtype: torch.dtype,
+    vendor: str | None,
+    seed: int,
 ) -> None:
-    """One query per head in bf16/fp16: the heads of a group are handed to SDPA as its kv
-    head's queries (one call, no GQA); the result is the per-head attention's."""
+    """One query per head in bf16/fp16, and in fp32 on an Intel CPU: the heads of a group are
+    handed to SDPA as its kv head's queries (one call, no GQA); elsewhere one GQA call. The
+    result is the per-head attention's either way."""
+    monkeypatch.setattr(attn.attention, "cpu_vendor", lambda: vendor)
+    folds = dtype != torch.float32 or vendor == "GenuineIntel"
     torch.manual_seed(seed)
     h, d = kv_heads * group, 8
     layer = MultiHeadAttention(embed_dim=h * d, num_heads=h, num_kv_heads=kv_heads, max_seq_len=128).to(dtype)
@@ -263,7 +274,7 @@ def test_a_reduced_precision_decode_step_folds_its_heads_and_matches_a_naive_loo
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     out = layer.attend(q, k, v, mask, dtype, "sdpa").double()  # (b, 1, h * d), through o_proj
-    assert shapes == [((b, kv_heads, group, d), False)]
+    assert shapes == ([((b, kv_heads, group, d), False)] if folds else [((b, h, 1, d), True)])
     scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)) / d**0.5  # (b, h, 1, L)
     weights = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     expected = (weights @ v.double().repeat_interleave(group, 1)).transpose(1, 2).reshape(b, 1, h * d)
