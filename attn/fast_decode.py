@@ -73,7 +73,7 @@ from torch import nn
 
 from attn.checks import is_int
 from attn.kv_cache import CacheState
-from attn.packed import packed_linear  # noqa: F401  (registers attn::packed_linear)
+from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
 from attn.threads import check_holder
@@ -336,12 +336,7 @@ def _inductor_options(vector_bits: int | None) -> dict[str, Any]:
 
 def _double_pumped_avx512() -> bool:
     """Is this an AMD CPU with AVX-512 (Zen 4 runs 512-bit vectors as two 256-bit halves)?"""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            text = cpuinfo.read(65536)
-    except OSError:
-        return False
-    return "AuthenticAMD" in text and " avx512f" in text
+    return cpu_vendor() == "AuthenticAMD" and " avx512f" in cpuinfo()
 
 
 def _vector_bits(rewritten: list[tuple[int, torch.dtype]], requested: int | None) -> int | None:

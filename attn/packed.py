@@ -73,14 +73,21 @@ def plain_onednn_faster() -> bool:
 
 
 @functools.cache
-def cpu_vendor() -> str | None:
-    """The CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``), from ``/proc/cpuinfo`` or, where
-    there is none, ``platform.processor()``; ``None`` where neither names one."""
+def cpuinfo() -> str:
+    """The start of ``/proc/cpuinfo`` (its first CPU's vendor and flags), or, where there is
+    none, ``platform.processor()``."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            text = cpuinfo.read(65536)
+        with open("/proc/cpuinfo") as file:
+            return file.read(65536)
     except OSError:
-        text = platform.processor()
+        return platform.processor()
+
+
+@functools.cache
+def cpu_vendor() -> str | None:
+    """The CPU's vendor id (``"GenuineIntel"``, ``"AuthenticAMD"``) from ``cpuinfo()``; ``None``
+    where it names neither."""
+    text = cpuinfo()
     return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in text), None)
 
 
