@@ -457,7 +457,7 @@ class TransformerDecoder(nn.Module):
             window=self._plan_window,
             local=self._plan_local,
             kernel=self.attention_kernel(),
-            linears=self.linear_kernels(use_cache, s),
+            linears=self.linear_kernels(use_cache, s, b),
         )  # checks before any write
         run = self._logits if plan.linears == "default" else self._kernel_logits
         if plan.slots is None:
@@ -506,12 +506,12 @@ class TransformerDecoder(nn.Module):
             return ParityKernels()
         return contextlib.nullcontext() if linears == "default" else packed_linears(linears)
 
-    def linear_kernels(self, use_cache: bool, num_tokens: int) -> Linears:
+    def linear_kernels(self, use_cache: bool, num_tokens: int, batch_size: int) -> Linears:
         """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones; for
         an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
-        where ``attn.set_packed_decode`` asked for them, else on the weights as they are in a
-        CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
-        CPUs); else torch's."""
+        where ``attn.set_packed_decode`` asked for them, else on the weights as they are: in
+        a CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
+        CPUs), and as matrix-vector products in a CPU bf16 model at batch 1; else torch's."""
         if self.parity:
             return "exact"
         # A branch on the switch, before any return: a compiled step guards it on every release
@@ -519,11 +519,20 @@ class TransformerDecoder(nn.Module):
         if self.packed_decode:
             kernels: Linears = "packed"
         else:
-            weight = self.tok_embeddings.weight  # the plain-weight product: CPU fp32 models only
-            kernels = "onednn" if weight.device.type == "cpu" and weight.dtype == torch.float32 else "default"
+            kernels = self._plain_weight_kernels(batch_size)
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
             return "default"
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
+
+    def _plain_weight_kernels(self, batch_size: int) -> Linears:
+        """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
+        model, its matrix-vector product for a CPU bf16 model at batch 1, else torch's."""
+        weight = self.tok_embeddings.weight
+        if weight.device.type != "cpu":
+            return "default"
+        if weight.dtype == torch.float32:
+            return "onednn"
+        return "matvec" if weight.dtype == torch.bfloat16 and batch_size == 1 else "default"
 
     def attention_kernel(self) -> Kernel:
         """The attention kernel of this model's passes (``attn.plan.Kernel``): parity mode's

@@ -18,7 +18,10 @@ Without the switch, eager fp32 decode steps on an AMD CPU still run oneDNN's pro
 weight as it is (``PassPlan.linears == "onednn"``: no copy; 36-38 ms against MKL's 63-68 for those
 linears at 16 rows), where torch's fp32 ``F.linear`` runs MKL's slower path
 (``plain_onednn_faster``); on Intel CPUs MKL is the faster of the two and ``F.linear`` stays. bf16
-steps keep ``F.linear``, which is oneDNN's already.
+steps of more than one row keep ``F.linear``, which is oneDNN's already; at one row (batch 1) they
+run ``torch.addmv`` (``"matvec"``), oneDNN's matrix-vector kernel, with the same results as
+``F.linear`` and faster on all but the smallest weights through torch 2.13 (1.5-1.8x on the
+SmolLM2-135M shape's MLP weights and head; equal from torch 2.15: ``docs/performance.md``).
 
 The price of packing is memory: a packed copy of every weight a decode step reads, as large as the
 weights themselves, kept while packed decode is on (``set_packed_decode(model, False)``
@@ -47,8 +50,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["Linear", "linear", "packed_decode_available", "packed_linear", "packed_linears", "set_packed_decode"]
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-PackedKind = Literal["packed", "onednn"]
-"""The products ``packed_linears`` runs: on packed copies, or on fp32 weights as they are."""
+PackedKind = Literal["packed", "onednn", "matvec"]
+"""The products ``packed_linears`` runs: on packed copies, on fp32 weights as they are, or
+one-row bf16 products as matrix-vector products on the weights as they are."""
 
 # weight -> ((its version, its storage), the packed copy), by identity; an entry goes when its weight does.
 _PACKS = WeakIdKeyDictionary()
@@ -144,13 +148,24 @@ def _packed(weight: torch.Tensor, rows: int, wide: bool) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; inside ``packed_linears()``, in eager code, oneDNN's product where the
     weight can be packed (a CPU bf16/fp32 tensor; not a DTensor, not another device): on its
-    packed copy, or (``kind="onednn"``, fp32 only) on the weight as it is."""
+    packed copy, on the weight as it is (``kind="onednn"``, fp32 only), or as a matrix-vector
+    product (``kind="matvec"``, bf16 inputs of one row only)."""
     kind = None if torch.compiler.is_compiling() else getattr(_this_thread, "kind", None)
     if kind == "packed":
         return _packed_product(x, weight, bias)
     if kind == "onednn" and weight.dtype == torch.float32 and _packable(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if kind == "matvec" and weight.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1 and _packable(x, weight, bias):
+        return _matvec(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of one row (x: (..., e), one row in all), as ``torch.addmv``: its results
+    bit for bit in every shape measured, the bias added inside as ``F.linear`` adds it."""
+    row = x.reshape(-1)  # (e,)
+    out = torch.mv(weight, row) if bias is None else torch.addmv(bias, weight, row)  # (n,)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -199,8 +214,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 @contextlib.contextmanager
 def packed_linears(kind: PackedKind = "packed") -> Iterator[None]:
     """This thread's ``attn.packed.linear`` calls run oneDNN's product for the block: on packed
-    weights (``"packed"``), or on fp32 weights as they are (``"onednn"``: no copy; at 16 rows
-    1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``).
+    weights (``"packed"``), on fp32 weights as they are (``"onednn"``: no copy; at 16 rows
+    1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``), or, for bf16 inputs of
+    one row, its matrix-vector product on the weights as they are (``"matvec"``).
 
     Raises:
         ValueError: ``kind`` is neither.

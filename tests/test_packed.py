@@ -184,7 +184,7 @@ def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) ->
 
 def test_an_unknown_kind_is_refused_before_the_switch_moves() -> None:
     switch = packed_linears("mkl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn'\), got 'mkl'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn', 'matvec'\), got 'mkl'"):
         switch.__enter__()
     assert getattr(packed._this_thread, "kind", None) is None
 
@@ -330,7 +330,7 @@ def test_a_default_fp32_decode_step_keeps_f_linear_off_amd_cpus(
     with attn.cached_inference(model):
         model(torch.tensor([[1, 2]]))
         model(torch.tensor([[3]]))
-    assert model.linear_kernels(True, 1) == "default"
+    assert model.linear_kernels(True, 1, 1) == "default"
     assert calls == []
 
 
@@ -349,12 +349,83 @@ def test_cpu_vendor_agrees_with_proc_cpuinfo() -> None:
 def test_the_plan_names_the_linear_kernels_of_each_pass(as_vendor: Callable[[str | None], None]) -> None:
     as_vendor("AuthenticAMD")
     model = tiny_model()
-    assert model.linear_kernels(True, 1) == "onednn"  # a CPU fp32 decode step where oneDNN's is the faster
-    assert model.linear_kernels(True, 2) == model.linear_kernels(False, 1) == "default"
+    assert model.linear_kernels(True, 1, 4) == "onednn"  # a CPU fp32 decode step where oneDNN's is the faster
+    assert model.linear_kernels(True, 2, 4) == model.linear_kernels(False, 1, 4) == "default"
     attn.set_packed_decode(model)
-    assert model.linear_kernels(True, 1) == "packed"
+    assert model.linear_kernels(True, 1, 4) == "packed"
     attn.set_packed_decode(model, False)
     model.to(torch.bfloat16)
-    assert model.linear_kernels(True, 1) == "default"  # bf16 F.linear is oneDNN's already
+    assert model.linear_kernels(True, 1, 1) == "matvec"  # one row: oneDNN's matrix-vector product
+    assert model.linear_kernels(True, 1, 4) == "default"  # bf16 F.linear is oneDNN's already
+    assert model.linear_kernels(True, 2, 1) == model.linear_kernels(False, 1, 1) == "default"
+    attn.set_packed_decode(model)
+    assert model.linear_kernels(True, 1, 1) == "packed"
     attn.set_parity_mode(model)
-    assert model.linear_kernels(True, 1) == "exact"
+    assert model.linear_kernels(True, 1, 1) == "exact"
+    attn.set_parity_mode(model, False)
+    model.half()
+    assert model.linear_kernels(True, 1, 1) == "packed"  # asked for; fp16 weights run F.linear inside it
+    attn.set_packed_decode(model, False)
+    assert model.linear_kernels(True, 1, 1) == "default"  # fp16: torch.mv is 3x slower than F.linear
+
+
+@given(
+    leading=st.sampled_from([(), (1,), (1, 1), (1, 1, 1)]),
+    features=st.integers(1, 80),
+    outputs=st.integers(1, 80),
+    with_bias=st.booleans(),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_one_row_bf16_product_matches_a_float64_reference(
+    leading, features, outputs, with_bias, strided, seed
+) -> None:
+    """``kind="matvec"``: any one-row input shape, with or without a bias, a strided row."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(outputs, features, generator=generator).bfloat16()
+    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(*leading, 2 * features, generator=generator).bfloat16()
+    x = x[..., ::2] if strided else x[..., :features]
+    with packed_linears("matvec"):
+        got = linear(x, weight, bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.01)
+
+
+def test_matvec_runs_one_row_bf16_products_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows, another dtype: F.linear as it is."""
+    rows: list[int] = []
+    original = packed._matvec
+    monkeypatch.setattr(packed, "_matvec", lambda x, w, b: rows.append(x.shape[:-1].numel()) or original(x, w, b))
+    weight = torch.randn(6, 8)
+    with packed_linears("matvec"):
+        linear(torch.randn(1, 8).bfloat16(), weight.bfloat16())
+        linear(torch.randn(2, 8).bfloat16(), weight.bfloat16())
+        linear(torch.randn(1, 8), weight)
+        linear(torch.randn(1, 8).half(), weight.half())
+    assert rows == [1]
+
+
+def test_a_bf16_decode_step_at_batch_1_runs_matrix_vector_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each projection and the head once a step; not in a prefill, at batch 2 or compiled."""
+    calls: list[torch.Tensor] = []
+    original = packed._matvec
+    monkeypatch.setattr(packed, "_matvec", lambda x, w, b: calls.append(w) or original(x, w, b))
+    model = tiny_model().bfloat16()
+    linears = [id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    model.setup_caches(1, 8)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2]]))
+        assert calls == []  # a prefill
+        model(torch.tensor([[3]]))
+        assert [id(w) for w in calls] == linears
+        calls.clear()
+        torch.compile(model, backend="eager")(torch.tensor([[4]]))
+    assert calls == []
+    model.teardown_caches()
+    model.setup_caches(2, 8)
+    with attn.cached_inference(model):
+        model(torch.tensor([[1, 2], [3, 4]]))
+        model(torch.tensor([[3], [5]]))
+    assert calls == []
