@@ -161,8 +161,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of one row (x: (..., e), one row in all), as ``torch.addmv``: its results
-    bit for bit in every shape measured, the bias added inside as ``F.linear`` adds it."""
+    """``F.linear`` of one row (x: (..., e), one row in all) as ``torch.mv``, or with a bias
+    ``torch.addmv``, which adds it inside as ``F.linear`` does: ``F.linear``'s results bit for
+    bit in every shape measured (``docs/performance.md``)."""
     row = x.reshape(-1)  # (e,)
     out = torch.mv(weight, row) if bias is None else torch.addmv(bias, weight, row)  # (n,)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -219,7 +220,7 @@ def packed_linears(kind: PackedKind = "packed") -> Iterator[None]:
     one row, its matrix-vector product on the weights as they are (``"matvec"``).
 
     Raises:
-        ValueError: ``kind`` is neither.
+        ValueError: ``kind`` is none of these.
     """
     if kind not in get_args(PackedKind):
         raise ValueError(f"packed_linears: kind must be one of {get_args(PackedKind)}, got {kind!r}")
