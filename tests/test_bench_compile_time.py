@@ -17,7 +17,9 @@ def test_compile_time_measures_a_cold_and_a_warm_process(capsys: pytest.CaptureF
     row = next(line for line in lines if line.lstrip().startswith("tiny fp32 b1 t1"))
     # setup cold, warm; cold (inductor), warm (inductor); warm as run (setup not apart)
     numbers = [float(n) for n in re.findall(r"\d+\.\d+", row)]
-    assert len(numbers) == 7 and all(n > 0 for n in numbers), row
+    assert len(numbers) == 7, row
+    # every figure a time; the warm process's inductor share may round to 0.0 (its cache hit)
+    assert all(n > 0 for i, n in enumerate(numbers) if i != 5) and numbers[5] >= 0, row
     assert numbers[1] < numbers[0], row  # the warm process finds the ISA probes cached
     assert numbers[3] <= numbers[2] and numbers[5] <= numbers[4], row  # inductor's share of each
     layers = "one, for every layer" if compat.compile_regions_supported() else "every layer"
