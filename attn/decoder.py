@@ -522,6 +522,7 @@ class TransformerDecoder(nn.Module):
             kernels = self._plain_weight_kernels(batch_size)
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
             return "default"
+        # The vendor only here, past the compile check: a traced step cannot read /proc/cpuinfo.
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
 
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
