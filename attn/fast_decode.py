@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn.checks import is_int
+from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
@@ -568,7 +569,9 @@ class DecodeCompiled(nn.Module):
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
         step = functools.partial(self._step, tokens, use_cache=use_cache, **kwargs)
         with compile_regions(), _step_options(limit):
-            return self.model.all_layers_or_none(step) if use_cache else step()
+            # The step's wrapper makes 30-250 Python calls: run them where a frame-stack chunk
+            # has room for them, not wherever the caller's depth puts them (attn.frames).
+            return on_fresh_stack(self.model.all_layers_or_none, step) if use_cache else on_fresh_stack(step)
 
 
 def compile_for_decode(

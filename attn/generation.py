@@ -24,6 +24,7 @@ from torch import nn
 
 from attn.checks import bad_ids, check_positive_int, is_int, is_number
 from attn.context import cache_holder, cached_passes
+from attn.frames import on_fresh_stack
 from attn.kv_cache import attended_slots
 from attn.masks import left_pad, padding_positions, slot_mask
 
@@ -246,7 +247,8 @@ def generate(
                 model.reset_caches()
                 if num_samples > 1:
                     model.select_caches(torch.arange(b))  # one row a prompt for the prefill; forked back after it
-            steps = _decode(
+            steps = on_fresh_stack(  # the decode loop's many Python calls on a frame-stack chunk with room
+                _decode,
                 model,
                 attended_slots(total, model.cache_state.max_seq_len),
                 prompt_tokens,
