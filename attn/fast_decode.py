@@ -74,6 +74,7 @@ from torch import nn
 from attn.checks import is_int
 from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
+from attn.native import bf16_matvec_available, build_bf16_matvec
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
@@ -229,6 +230,9 @@ class DecodeCompileStats:
     linears_rewritten: int = 0
     """Linear calls turned into row-wise reductions, over all graphs and their regions (a
     layer's count once when its region serves every layer)."""
+    linears_native: int = 0
+    """Of the rewritten linears, those that call ``attn::bf16_matvec`` (one-row bf16 products on
+    a CPU with AVX512-BF16: ``attn.native``) instead of inductor's reductions."""
     linears_packed: int = 0
     """Linear calls that read packed weights (``attn.set_packed_decode``: those with more rows
     than ``max_rows``), counted the same way."""
@@ -245,17 +249,18 @@ class DecodeCompileStats:
 
 
 def _rewrite_small_linears(
-    gm: torch.fx.GraphModule, max_rows: int, packed: bool = False
-) -> tuple[list[tuple[int, torch.dtype]], int]:
-    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``, and
-    with ``packed`` (the model asked for packed decode) every other one at
-    ``attn.packed.packed_linear``.
+    gm: torch.fx.GraphModule, max_rows: int, packed: bool = False, native: bool = False
+) -> tuple[list[tuple[int, torch.dtype]], int, int]:
+    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``, or with
+    ``native``, a one-row bf16 one at ``attn::bf16_matvec``; and with ``packed`` (the model
+    asked for packed decode) every other one at ``attn.packed.packed_linear``.
 
     Returns:
-        ``(rows, weight dtype)`` of each linear rewritten into reductions, and how many
-        linears read packed weights.
+        ``(rows, weight dtype)`` of each linear rewritten, how many of those call
+        ``attn::bf16_matvec``, and how many linears read packed weights.
     """
     rewritten = []
+    native_count = 0
     packed_count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
@@ -271,14 +276,17 @@ def _rewrite_small_linears(
                 node.args, node.kwargs = (node.args[0], node.args[1], bias), {}
                 packed_count += 1
             continue
-        node.target = rowwise_linear
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else example.dtype
+        matvec = native and rows == 1 and dtype == example.dtype == torch.bfloat16 and example.device.type == "cpu"
+        node.target = torch.ops.attn.bf16_matvec.default if matvec else rowwise_linear
         node.args = (node.args[0], node.args[1], bias)
         node.kwargs = {}
-        rewritten.append((rows, weight.dtype if isinstance(weight, torch.Tensor) else example.dtype))
+        rewritten.append((rows, dtype))
+        native_count += matvec
     if rewritten or packed_count:
         gm.graph.lint()
         gm.recompile()
-    return rewritten, packed_count
+    return rewritten, native_count, packed_count
 
 
 # No size asserts in the generated wrapper: dynamo's guards already check every input's sizes
@@ -455,13 +463,20 @@ class DecodeCompiled(nn.Module):
     against one recompile limit, which each step call raises past this many."""
 
     def __init__(
-        self, model: nn.Module, *, max_rows: int, rewrite: bool = True, vector_bits: int | None = None
+        self,
+        model: nn.Module,
+        *,
+        max_rows: int,
+        rewrite: bool = True,
+        vector_bits: int | None = None,
+        native_matvec: bool | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.max_rows = max_rows
         self.rewrite = rewrite
         self.vector_bits = vector_bits
+        self.native_matvec = native_matvec
         self.stats = DecodeCompileStats()
         self._first_cache_lengths: tuple[int, int] | None = None  # the first cached step's (L, attended slots)
         self._marked_buffer: weakref.ref[torch.Tensor] | None = None  # the first cache's, once marked dynamic
@@ -497,9 +512,11 @@ class DecodeCompiled(nn.Module):
         self.stats.regions += len(graphs) - 1  # a decoder layer's region: one subgraph for every layer
         if self.rewrite:
             packed = self.model.packed_decode  # dynamo guards it: a change compiles another graph
+            native = self._native_matvec(example_inputs)
             for graph in graphs:
-                small, packed_count = _rewrite_small_linears(graph, self.max_rows, packed)
+                small, native_count, packed_count = _rewrite_small_linears(graph, self.max_rows, packed, native)
                 rewritten += small
+                self.stats.linears_native += native_count
                 self.stats.linears_packed += packed_count
                 self.stats.attention_rewritten += _rewrite_decode_attention(graph, self.max_rows)
             self.stats.linears_rewritten += len(rewritten)
@@ -508,6 +525,17 @@ class DecodeCompiled(nn.Module):
             compiled = compile_fx(gm, example_inputs)
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
+
+    def _native_matvec(self, example_inputs: list[torch.Tensor]) -> bool:
+        """Do one-row bf16 linears call ``attn::bf16_matvec``? As asked (``native_matvec``), or
+        by default on a CPU where it is available; not for a graph on another device."""
+        devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+        if self.native_matvec is False or devices - {"cpu"}:
+            return False
+        if self.native_matvec is None:
+            return bf16_matvec_available()
+        build_bf16_matvec()  # asked for: its error, not a silent fallback
+        return True
 
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on (the buffers' L, or the slots a mask covers), every
@@ -575,7 +603,12 @@ class DecodeCompiled(nn.Module):
 
 
 def compile_for_decode(
-    model: nn.Module, *, max_rows: int = 8, rewrite_linears: bool = True, vector_bits: int | None = None
+    model: nn.Module,
+    *,
+    max_rows: int = 8,
+    rewrite_linears: bool = True,
+    vector_bits: int | None = None,
+    native_matvec: bool | None = None,
 ) -> DecodeCompiled:
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
@@ -595,6 +628,11 @@ def compile_for_decode(
         vector_bits: SIMD width for the generated code (inductor's ``cpp.simdlen``: 256,
             512); ``None`` lets inductor choose, except 256 for fp32 batch-1 decode on AMD
             CPUs with AVX-512, where it measured faster.
+        native_matvec: one-row bf16 linears (batch 1) call ``attn::bf16_matvec``, a kernel
+            with AVX512-BF16 dot products built on first use (``attn.native``); ``None``
+            (default) where the CPU has them and the build succeeds (else one warning and
+            inductor's reductions), ``True`` to require it (the build's error if not),
+            ``False`` for inductor's reductions.
 
     Returns:
         A ``DecodeCompiled`` to pass to ``attn.generate`` in place of the model.
@@ -608,10 +646,18 @@ def compile_for_decode(
         raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
     if vector_bits not in (None, 128, 256, 512):
         raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")
+    if not (native_matvec is None or isinstance(native_matvec, bool)):
+        raise ValueError(f"native_matvec must be None, True or False, got {native_matvec!r}")
+    if native_matvec and not rewrite_linears:
+        raise ValueError("native_matvec=True rewrites linears, which rewrite_linears=False turns off: drop one of them")
     if model.training:
         raise ValueError("compile_for_decode is for inference: call model.eval() first")
     _refuse_parity_mode(model)
-    return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits)
+    if native_matvec:  # asked for: fails here, before anything is compiled, where it cannot run
+        build_bf16_matvec()
+    return DecodeCompiled(
+        model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits, native_matvec=native_matvec
+    )
 
 
 def _refuse_parity_mode(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import attn
+import attn.native
 from attn.policy import CachePolicy
 
 
@@ -27,6 +28,13 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name == "test_lm_eval.py" and "not slow" in (config.getoption("markexpr") or ""):
         return True
     return None
+
+
+# The native one-row bf16 kernel runs on x86 CPUs with AVX512-BF16 only. Where the CPU has it
+# the tests build it, and a failed build fails them: it is not a reason to skip.
+needs_bf16_matvec = pytest.mark.skipif(
+    not attn.native._has_avx512_bf16(), reason="attn::bf16_matvec needs a CPU with AVX512-BF16; this one has none"
+)
 
 
 # Tiny models: one intra-op thread is faster, and immune to a second core being busy.

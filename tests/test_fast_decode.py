@@ -28,7 +28,7 @@ from attn.fast_decode import (
 )
 from attn.kv_cache import SLOT_STEP
 
-from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
+from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, needs_bf16_matvec, poison_on_reset, tiny_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 OTHER_PROMPTS = [[7, 8], [9, 10, 11, 12]]
@@ -249,12 +249,14 @@ def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
 
 
 @pytest.mark.slow  # a bf16 graph of its own
-def test_bf16_step_rounds_where_eager_rounds() -> None:
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_bf16_matvec)])
+def test_bf16_step_rounds_where_eager_rounds(native: bool) -> None:
     """bf16: the compiled step rounds each bf16 intermediate as eager does (inductor would keep
     some in fp32), so its logits, teacher-forced on the same tokens, stay within a few bf16
-    steps of eager's, not only its argmax."""
+    steps of eager's, not only its argmax; with inductor's reductions and with the native
+    one-row kernel (``attn::bf16_matvec``) for every linear."""
     model = tiny_model(14).to(torch.bfloat16)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_matvec=native)
     tokens = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
     model.setup_caches(1, 16)
 
@@ -267,6 +269,7 @@ def test_bf16_step_rounds_where_eager_rounds() -> None:
 
     expected, got = logits_of(model), logits_of(fast)
     assert fast.stats.graphs == 1 and fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
+    assert fast.stats.linears_native == (fast.stats.linears_rewritten if native else 0), fast.stats
     scale = expected.abs().max().item()
     worst = (got - expected).abs().max().item()
     # Without the option (torch <= 2.8) a norm's output reaches the next linear unrounded:
@@ -281,6 +284,10 @@ def test_bad_arguments() -> None:
         compile_for_decode(model, max_rows=-1)
     with pytest.raises(ValueError, match="vector_bits must be None, 128, 256 or 512"):
         compile_for_decode(model, vector_bits=300)
+    with pytest.raises(ValueError, match="native_matvec must be None, True or False"):
+        compile_for_decode(model, native_matvec=1)
+    with pytest.raises(ValueError, match="rewrite_linears=False turns off"):
+        compile_for_decode(model, native_matvec=True, rewrite_linears=False)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())
 

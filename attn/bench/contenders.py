@@ -382,8 +382,9 @@ class AttnCompiled(AttnEager):
         stats = self.fast.stats
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
+        native = f" ({stats.linears_native} of them through attn::bf16_matvec)" if stats.linears_native else ""
         return (
-            f"{stats.linears_rewritten} linear layer(s) and {stats.attention_rewritten} attention call(s) "
+            f"{stats.linears_rewritten} linear layer(s){native} and {stats.attention_rewritten} attention call(s) "
             f"rewritten as reductions, {stats.linears_packed} reading packed weights ({layers}); SIMD width {width}; "
             f"{stats.compile_seconds:.1f} s in inductor"
         )
