@@ -15,9 +15,10 @@ way (``decode_attention``): for one query per row, the stock SDPA kernel is an o
 per layer with its own setup cost (0.1 ms per layer in bf16); written as reductions it fuses
 with its neighbours, and the whole step becomes one generated kernel.
 
-One-row bf16 linears (batch 1) on a CPU with AVX512-BF16 call ``attn::bf16_matvec`` instead
+bf16 linears of those few rows on a CPU with AVX512-BF16 call ``attn::bf16_matvec`` instead
 (``attn.native``): a C++ kernel with bf16 dot-product instructions, which inductor's code cannot
-emit, reading the weights at 24-25 GB/s where the reductions read 13-14 (Xeon 6/167, 2 threads).
+emit. At one row it reads the weights at 24-25 GB/s where the reductions read 13-14; at 8 rows
+the bench's step ran 2.06x as fast (Xeon 6/167, 2 threads).
 
 Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
 calls (``attn.regions.compile_region``), so inductor compiles one layer, not all of them. A
@@ -78,7 +79,7 @@ from torch import nn
 from attn.checks import is_int
 from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
-from attn.native import bf16_matvec_available, build_bf16_matvec
+from attn.native import BF16_MATVEC_MAX_ROWS, bf16_matvec_available, build_bf16_matvec
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
@@ -235,8 +236,8 @@ class DecodeCompileStats:
     """Linear calls rewritten for few rows (row-wise reductions, or ``attn::bf16_matvec``), over
     all graphs and their regions (a layer's count once when its region serves every layer)."""
     linears_native: int = 0
-    """Of the rewritten linears, those that call ``attn::bf16_matvec`` (one-row bf16 products on
-    a CPU with AVX512-BF16: ``attn.native``) instead of inductor's reductions."""
+    """Of the rewritten linears, those that call ``attn::bf16_matvec`` (bf16 products of at most
+    8 rows on a CPU with AVX512-BF16: ``attn.native``) instead of inductor's reductions."""
     linears_packed: int = 0
     """Linear calls that read packed weights (``attn.set_packed_decode``: those with more rows
     than ``max_rows``), counted the same way."""
@@ -256,7 +257,7 @@ def _rewrite_small_linears(
     gm: torch.fx.GraphModule, max_rows: int, packed: bool = False, native: bool = False
 ) -> tuple[list[tuple[int, torch.dtype]], int, int]:
     """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``, or with
-    ``native``, a one-row bf16 one at ``attn::bf16_matvec``; and with ``packed`` (the model
+    ``native``, a bf16 one at ``attn::bf16_matvec``; and with ``packed`` (the model
     asked for packed decode) every other one at ``attn.packed.packed_linear``.
 
     Returns:
@@ -281,7 +282,12 @@ def _rewrite_small_linears(
                 packed_count += 1
             continue
         dtype = weight.dtype if isinstance(weight, torch.Tensor) else example.dtype
-        matvec = native and rows == 1 and dtype == example.dtype == torch.bfloat16 and example.device.type == "cpu"
+        matvec = (
+            native
+            and rows <= BF16_MATVEC_MAX_ROWS
+            and dtype == example.dtype == torch.bfloat16
+            and example.device.type == "cpu"
+        )
         node.target = torch.ops.attn.bf16_matvec.default if matvec else rowwise_linear
         node.args = (node.args[0], node.args[1], bias)
         node.kwargs = {}
@@ -531,7 +537,7 @@ class DecodeCompiled(nn.Module):
         return compiled
 
     def _native_matvec(self, example_inputs: list[torch.Tensor]) -> bool:
-        """Do one-row bf16 linears call ``attn::bf16_matvec``? As asked (``native_matvec``), or
+        """Do bf16 linears of few rows call ``attn::bf16_matvec``? As asked (``native_matvec``), or
         by default on a CPU where it is available; not for a graph on another device."""
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         if self.native_matvec is False or devices - {"cpu"}:
@@ -632,7 +638,7 @@ def compile_for_decode(
         vector_bits: SIMD width for the generated code (inductor's ``cpp.simdlen``: 256,
             512); ``None`` lets inductor choose, except 256 for fp32 batch-1 decode on AMD
             CPUs with AVX-512, where it measured faster.
-        native_matvec: one-row bf16 linears (batch 1) call ``attn::bf16_matvec``, a kernel
+        native_matvec: bf16 linears of at most ``min(max_rows, 8)`` rows call ``attn::bf16_matvec``, a kernel
             with AVX512-BF16 dot products built on first use (``attn.native``); ``None``
             (default) where the CPU has them and the build succeeds (else one warning and
             inductor's reductions), ``True`` to require it (the build's error if not),

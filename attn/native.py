@@ -1,17 +1,19 @@
 """Native CPU kernels, built on first use: ``attn::bf16_matvec``.
 
-A one-row bf16 product (a decode step at batch 1) is bound by reading the weight. Inductor's
-reductions widen every bf16 weight to fp32 before multiplying, and oneDNN's matrix-vector
-kernel pays a fixed cost a call; ``attn/csrc/bf16_matvec.cpp`` uses AVX512-BF16's dot-product
-instruction, four weight rows a pass over the input and prefetches. The 30 layers' products of
-the SmolLM2-135M shape, one row, 2 threads, Xeon 6/167: 8.5-8.9 ms (24-25 GB/s) against
-14.7-16.2 for inductor's reductions and 15.0-15.8 for ``torch.mv``.
+A bf16 product of a few rows (a decode step at a small batch) is bound by reading the weight.
+Inductor's reductions widen every bf16 weight to fp32 before multiplying, and oneDNN's kernels
+pay a fixed cost a call; ``attn/csrc/bf16_matvec.cpp`` uses AVX512-BF16's dot-product
+instruction, loads each weight row once for all the rows and prefetches. The 30 layers'
+products of the SmolLM2-135M shape, 2 threads, Xeon 6/167: 9.0 ms at one row (24 GB/s), 11.1 at
+4, 14.4 at 8, against 14.7-16.3 for inductor's reductions and ``torch.mv`` at one row and 15.5
+for oneDNN on packed weights at any of those.
 
-``compile_for_decode`` calls it for its one-row bf16 linears where ``bf16_matvec_available()``:
-an x86 CPU with AVX512-BF16, and the extension built. The build (torch's C++ extension builder:
-a C++ compiler with OpenMP and ``ninja``) takes about 30 s once per machine and torch release,
-then loads from torch's extension cache (``TORCH_EXTENSIONS_DIR``). Where it cannot be built
-the step keeps inductor's reductions, with one warning that says why.
+``compile_for_decode`` calls it for its bf16 linears of at most ``BF16_MATVEC_MAX_ROWS`` rows
+(and at most its ``max_rows``) where ``bf16_matvec_available()``: an x86 CPU with AVX512-BF16,
+and the extension built. The build (torch's C++ extension builder: a C++ compiler with OpenMP
+and ``ninja``) takes 8-30 s once per machine and torch release, then loads from torch's
+extension cache (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the step keeps inductor's
+reductions, with one warning that says why.
 
 Results are fp32 sums rounded to bf16 once, like the other kernels'; the order of the sums
 differs, so the last bit of an output can.
@@ -27,7 +29,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["bf16_matvec_available", "build_bf16_matvec"]
+__all__ = ["BF16_MATVEC_MAX_ROWS", "bf16_matvec_available", "build_bf16_matvec"]
+
+BF16_MATVEC_MAX_ROWS = 8
+"""Most rows of x ``attn::bf16_matvec`` takes (the kernel's ``kMaxRows``). At 16 rows oneDNN's
+product on packed weights, with AMX, was the faster: 15.8 against 25.3 ms for the 30 layers."""
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_matvec.cpp"
 
@@ -110,9 +116,9 @@ def bf16_matvec_available() -> bool:
         lines = str(error).strip().splitlines() or [type(error).__name__]
         first = next((line.strip() for line in lines if "error:" in line), lines[0])  # the compiler's, if any
         warnings.warn(
-            f"attn: could not build the AVX512-BF16 matrix-vector kernel ({first}); one-row bf16 decode steps of "
-            "compile_for_decode use inductor's reductions instead (a C++ compiler with OpenMP and `pip install "
-            "ninja` let it build)",
+            f"attn: could not build the AVX512-BF16 product kernel ({first}); compile_for_decode's bf16 steps of up "
+            "to 8 rows use inductor's reductions instead (a C++ compiler with OpenMP and `pip install ninja` let it "
+            "build)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -249,23 +249,26 @@ def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
 
 
 @pytest.mark.slow  # a bf16 graph of its own
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_bf16_matvec)])
-def test_bf16_step_rounds_where_eager_rounds(native: bool) -> None:
+@pytest.mark.parametrize(
+    ("native", "batch_size"),
+    [(False, 1), pytest.param(True, 1, marks=needs_bf16_matvec), pytest.param(True, 3, marks=needs_bf16_matvec)],
+)
+def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> None:
     """bf16: the compiled step rounds each bf16 intermediate as eager does (inductor would keep
     some in fp32), so its logits, teacher-forced on the same tokens, stay within a few bf16
     steps of eager's, not only its argmax; with inductor's reductions and with the native
-    one-row kernel (``attn::bf16_matvec``) for every linear."""
+    kernel (``attn::bf16_matvec``) for every linear, at one row and at three."""
     model = tiny_model(14).to(torch.bfloat16)
     fast = compile_for_decode(model, native_matvec=native)
-    tokens = torch.randint(0, 61, (1, 14), generator=torch.Generator().manual_seed(3))
-    model.setup_caches(1, 16)
+    tokens = torch.randint(0, 61, (batch_size, 14), generator=torch.Generator().manual_seed(3))
+    model.setup_caches(batch_size, 16)
 
     def logits_of(step: torch.nn.Module) -> torch.Tensor:
         model.reset_caches()
         with torch.inference_mode():
             out = [model(tokens[:, :4])[:, -1]]  # prefill in eager code for both
             out += [step(tokens[:, i : i + 1])[:, -1] for i in range(4, 14)]
-        return torch.stack(out).float()  # (11, 1, v)
+        return torch.stack(out).float()  # (11, b, v)
 
     expected, got = logits_of(model), logits_of(fast)
     assert fast.stats.graphs == 1 and fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
