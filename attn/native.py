@@ -78,8 +78,11 @@ def build_bf16_matvec() -> None:
     Raises:
         RuntimeError: this CPU has no AVX512-BF16, or the build failed (the compiler's message).
     """
+    global _built
     if not _has_avx512_bf16():
         raise RuntimeError("attn::bf16_matvec needs an x86 CPU with AVX512-BF16; this one has none")
+    if _built:  # loaded in this process: the builder would only re-check its files
+        return
     from torch.utils import cpp_extension
 
     path = os.environ.get("PATH", "")
@@ -90,7 +93,6 @@ def build_bf16_matvec() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
         except ImportError:
             pass
-    global _built
     try:
         cpp_extension.load(
             name=_extension_name(),

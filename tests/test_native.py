@@ -111,6 +111,7 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(attn.native, "_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(attn.native, "_built", False)  # as in a process that has not loaded it yet
     monkeypatch.setattr(cpp_extension, "load", fail)
     bf16_matvec_available.cache_clear()
     try:
