@@ -542,10 +542,7 @@ class DecodeCompiled(nn.Module):
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         if self.native_matvec is False or devices - {"cpu"}:
             return False
-        if self.native_matvec is None:
-            return bf16_matvec_available()
-        build_bf16_matvec()  # asked for: its error, not a silent fallback
-        return True
+        return self.native_matvec or bf16_matvec_available()  # True: compile_for_decode built it already
 
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on (the buffers' L, or the slots a mask covers), every
