@@ -18,7 +18,12 @@ with its neighbours, and the whole step becomes one generated kernel.
 bf16 linears of those few rows on a CPU with AVX512-BF16 call ``attn::bf16_matvec`` instead
 (``attn.native``): a C++ kernel with bf16 dot-product instructions, which inductor's code cannot
 emit. At one row it reads the weights at 24-25 GB/s where the reductions read 13-14; at 8 rows
-the bench's step ran 2.06x as fast (Xeon 6/167, 2 threads).
+the bench's step ran 2.06x as fast (Xeon 6/167, 2 threads). On a CPU with AMX, bf16 linears of
+5 to 32 rows call ``attn::amx_linear``, tile products on the weight as stored, whatever
+``max_rows``: at 16 rows (a GRPO group) they beat oneDNN's product on packed weights. On a CPU
+with AVX-512, attention
+calls ``attn::decode_attention``, a C++ kernel with a vectorized softmax: the reductions ran at
+about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
 
 Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
 calls (``attn.regions.compile_region``), so inductor compiles one layer, not all of them. A
@@ -79,7 +84,12 @@ from torch import nn
 from attn.checks import is_int
 from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
-from attn.native import BF16_MATVEC_MAX_ROWS, bf16_matvec_available, build_bf16_matvec
+from attn.native import (
+    bf16_linear_kernel,
+    build_native,
+    decode_attention_available,
+    native_head_dim,
+)
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
@@ -191,10 +201,15 @@ def _example_value(arg: Any) -> Any:
     return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
 
 
-def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int) -> int:
+def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int, native: bool = False) -> tuple[int, int]:
     """Points every masked, non-causal SDPA call with at most ``max_queries`` queries per
-    row at ``decode_attention``; returns how many."""
-    count = 0
+    row at ``decode_attention``, or with ``native``, at ``attn::decode_attention`` where it
+    takes the call (CPU, one float dtype, a head dim it handles).
+
+    Returns:
+        How many calls were rewritten, and how many of those call ``attn::decode_attention``.
+    """
+    count = native_count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _SDPA_TARGETS:
             continue
@@ -211,14 +226,32 @@ def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int) -> int
             continue
         if heads % kv_heads or (heads != kv_heads and not given.get("enable_gqa", False)):
             continue
+        count += 1
+        v = _example_value(given.get("value"))
+        head_dim = q.shape[-1]
+        if (
+            native
+            and isinstance(head_dim, int)
+            and native_head_dim(head_dim)
+            and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and isinstance(v, torch.Tensor)
+            and q.dtype == k.dtype == v.dtype
+        ):
+            scale = given.get("scale")
+            node.target = torch.ops.attn.decode_attention.default
+            node.args = (given["query"], given["key"], given["value"], given["attn_mask"])
+            node.args += (head_dim**-0.5 if scale is None else scale,)
+            node.kwargs = {}
+            native_count += 1
+            continue
         node.target = decode_attention
         node.args = ()
         node.kwargs = {_RENAMED.get(name, name): value for name, value in given.items()}
-        count += 1
     if count:
         gm.graph.lint()
         gm.recompile()
-    return count
+    return count, native_count
 
 
 @dataclass
@@ -233,16 +266,21 @@ class DecodeCompileStats:
     release compiles one decoder layer for every layer (``attn.compat.compile_regions_supported()``),
     0 where each layer is compiled."""
     linears_rewritten: int = 0
-    """Linear calls rewritten for few rows (row-wise reductions, or ``attn::bf16_matvec``), over
+    """Linear calls rewritten for few rows (row-wise reductions, or a native kernel), over
     all graphs and their regions (a layer's count once when its region serves every layer)."""
     linears_native: int = 0
-    """Of the rewritten linears, those that call ``attn::bf16_matvec`` (bf16 products of at most
-    8 rows on a CPU with AVX512-BF16: ``attn.native``) instead of inductor's reductions."""
+    """Of the rewritten linears, those that call a native kernel (``attn.native``): bf16
+    products of at most 8 rows on a CPU with AVX512-BF16 (``attn::bf16_matvec``), or of 5 to
+    32 on one with AMX (``attn::amx_linear``)."""
     linears_packed: int = 0
     """Linear calls that read packed weights (``attn.set_packed_decode``: those with more rows
     than ``max_rows``), counted the same way."""
     attention_rewritten: int = 0
-    """Attention calls turned into reductions (``decode_attention``), counted the same way."""
+    """Attention calls rewritten for few queries (reductions, ``decode_attention``, or
+    ``attn::decode_attention``), counted the same way."""
+    attention_native: int = 0
+    """Of the rewritten attention calls, those that call ``attn::decode_attention`` (a CPU with
+    AVX-512, head dims a multiple of 16: ``attn.native``)."""
     compile_seconds: float = 0.0
     """Wall time spent in inductor, over all graphs."""
     vector_bits: int | None = None
@@ -256,13 +294,15 @@ class DecodeCompileStats:
 def _rewrite_small_linears(
     gm: torch.fx.GraphModule, max_rows: int, packed: bool = False, native: bool = False
 ) -> tuple[list[tuple[int, torch.dtype]], int, int]:
-    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``, or with
-    ``native``, a bf16 one at ``attn::bf16_matvec``; and with ``packed`` (the model
-    asked for packed decode) every other one at ``attn.packed.packed_linear``.
+    """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``; with
+    ``native``, a bf16 one that a native kernel takes (``attn.native.bf16_linear_kernel``: up
+    to 8 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel; and with
+    ``packed`` (the model asked for packed decode) every other one at
+    ``attn.packed.packed_linear``.
 
     Returns:
-        ``(rows, weight dtype)`` of each linear rewritten, how many of those call
-        ``attn::bf16_matvec``, and how many linears read packed weights.
+        ``(rows, weight dtype)`` of each linear rewritten, how many of those call a native
+        kernel, and how many linears read packed weights.
     """
     rewritten = []
     native_count = 0
@@ -275,24 +315,29 @@ def _rewrite_small_linears(
         if not isinstance(example, torch.Tensor) or example.dim() == 0:
             continue
         rows = example.numel() // max(int(example.shape[-1]), 1)
-        if not isinstance(rows, int) or rows > max_rows:  # symbolic or large: a matrix product
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else example.dtype
+        kernel = None
+        if (
+            native
+            and isinstance(rows, int)
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and weight.is_contiguous()
+            and dtype == example.dtype == torch.bfloat16
+            and example.device.type == "cpu"
+        ):
+            kernel = bf16_linear_kernel(rows, int(weight.shape[1]))
+        if kernel is None and (not isinstance(rows, int) or rows > max_rows):  # symbolic or large: a matrix product
             if packed:
                 node.target = torch.ops.attn.packed_linear.default
                 node.args, node.kwargs = (node.args[0], node.args[1], bias), {}
                 packed_count += 1
             continue
-        dtype = weight.dtype if isinstance(weight, torch.Tensor) else example.dtype
-        matvec = (
-            native
-            and rows <= BF16_MATVEC_MAX_ROWS
-            and dtype == example.dtype == torch.bfloat16
-            and example.device.type == "cpu"
-        )
-        node.target = torch.ops.attn.bf16_matvec.default if matvec else rowwise_linear
+        node.target = rowwise_linear if kernel is None else kernel
         node.args = (node.args[0], node.args[1], bias)
         node.kwargs = {}
         rewritten.append((rows, dtype))
-        native_count += matvec
+        native_count += kernel is not None
     if rewritten or packed_count:
         gm.graph.lint()
         gm.recompile()
@@ -479,14 +524,14 @@ class DecodeCompiled(nn.Module):
         max_rows: int,
         rewrite: bool = True,
         vector_bits: int | None = None,
-        native_matvec: bool | None = None,
+        native: bool | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.max_rows = max_rows
         self.rewrite = rewrite
         self.vector_bits = vector_bits
-        self.native_matvec = native_matvec
+        self.native = native
         self.stats = DecodeCompileStats()
         self._first_cache_lengths: tuple[int, int] | None = None  # the first cached step's (L, attended slots)
         self._marked_buffer: weakref.ref[torch.Tensor] | None = None  # the first cache's, once marked dynamic
@@ -522,13 +567,15 @@ class DecodeCompiled(nn.Module):
         self.stats.regions += len(graphs) - 1  # a decoder layer's region: one subgraph for every layer
         if self.rewrite:
             packed = self.model.packed_decode  # dynamo guards it: a change compiles another graph
-            native = self._native_matvec(example_inputs)
+            native = self._native(example_inputs)
             for graph in graphs:
                 small, native_count, packed_count = _rewrite_small_linears(graph, self.max_rows, packed, native)
                 rewritten += small
                 self.stats.linears_native += native_count
                 self.stats.linears_packed += packed_count
-                self.stats.attention_rewritten += _rewrite_decode_attention(graph, self.max_rows)
+                attention, native_count = _rewrite_decode_attention(graph, self.max_rows, native)
+                self.stats.attention_rewritten += attention
+                self.stats.attention_native += native_count
             self.stats.linears_rewritten += len(rewritten)
         bits = self.stats.vector_bits = _vector_bits(rewritten, self.vector_bits)
         with inductor_config.patch(_inductor_options(bits)):
@@ -536,13 +583,13 @@ class DecodeCompiled(nn.Module):
         self.stats.compile_seconds += time.perf_counter() - start
         return compiled
 
-    def _native_matvec(self, example_inputs: list[torch.Tensor]) -> bool:
-        """Do bf16 linears of few rows call ``attn::bf16_matvec``? As asked (``native_matvec``), or
-        by default on a CPU where it is available; not for a graph on another device."""
+    def _native(self, example_inputs: list[torch.Tensor]) -> bool:
+        """Does the step call attn's native kernels? As asked (``native``), or by default on a
+        CPU where they are built; not for a graph on another device."""
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-        if self.native_matvec is False or devices - {"cpu"}:
+        if self.native is False or devices - {"cpu"}:
             return False
-        return self.native_matvec or bf16_matvec_available()  # True: compile_for_decode built it already
+        return self.native or decode_attention_available()  # True: compile_for_decode built them already
 
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on (the buffers' L, or the slots a mask covers), every
@@ -615,7 +662,7 @@ def compile_for_decode(
     max_rows: int = 8,
     rewrite_linears: bool = True,
     vector_bits: int | None = None,
-    native_matvec: bool | None = None,
+    native: bool | None = None,
 ) -> DecodeCompiled:
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
@@ -629,17 +676,20 @@ def compile_for_decode(
     Args:
         model: a ``TransformerDecoder`` in eval mode; it is shared, not copied.
         max_rows: linear layers with at most this many input rows (batch size for decode)
-            are rewritten into row-wise reductions; larger batches keep the BLAS kernel.
+            are rewritten into row-wise reductions; larger batches keep the BLAS kernel
+            (bf16 ones of up to 32 rows on a CPU with AMX: ``attn::amx_linear``, below).
         rewrite_linears: ``False`` compiles the step with stock inductor (for comparison):
             no linear and no attention rewrite.
         vector_bits: SIMD width for the generated code (inductor's ``cpp.simdlen``: 256,
             512); ``None`` lets inductor choose, except 256 for fp32 batch-1 decode on AMD
             CPUs with AVX-512, where it measured faster.
-        native_matvec: bf16 linears of at most ``min(max_rows, 8)`` rows call ``attn::bf16_matvec``, a kernel
-            with AVX512-BF16 dot products built on first use (``attn.native``); ``None``
-            (default) where the CPU has them and the build succeeds (else one warning and
-            inductor's reductions), ``True`` to require it (the build's error if not),
-            ``False`` for inductor's reductions.
+        native: attn's C++ kernels, built on first use (``attn.native``): attention calls
+            ``attn::decode_attention`` (AVX-512); bf16 linears of 5 to 32 rows
+            ``attn::amx_linear`` (AMX), and of at most ``min(max_rows, 8)`` rows
+            ``attn::bf16_matvec`` (AVX512-BF16 dot products), where the CPU has those
+            instructions. ``None`` (default) where the CPU has AVX-512 and
+            the build succeeds (else one warning and inductor's code), ``True`` to require
+            the build (its error if not), ``False`` for inductor's code.
 
     Returns:
         A ``DecodeCompiled`` to pass to ``attn.generate`` in place of the model.
@@ -653,18 +703,18 @@ def compile_for_decode(
         raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
     if vector_bits not in (None, 128, 256, 512):
         raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")
-    if not (native_matvec is None or isinstance(native_matvec, bool)):
-        raise ValueError(f"native_matvec must be None, True or False, got {native_matvec!r}")
-    if native_matvec and not rewrite_linears:
-        raise ValueError("native_matvec=True rewrites linears, which rewrite_linears=False turns off: drop one of them")
+    if not (native is None or isinstance(native, bool)):
+        raise ValueError(f"native must be None, True or False, got {native!r}")
+    if native and not rewrite_linears:
+        raise ValueError(
+            "native=True rewrites linears and attention, which rewrite_linears=False turns off: drop one of them"
+        )
     if model.training:
         raise ValueError("compile_for_decode is for inference: call model.eval() first")
     _refuse_parity_mode(model)
-    if native_matvec:  # asked for: fails here, before anything is compiled, where it cannot run
-        build_bf16_matvec()
-    return DecodeCompiled(
-        model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits, native_matvec=native_matvec
-    )
+    if native:  # asked for: fails here, before anything is compiled, where it cannot run
+        build_native()
+    return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits, native=native)
 
 
 def _refuse_parity_mode(model: nn.Module) -> None:

@@ -1,22 +1,33 @@
-"""Native CPU kernels, built on first use: ``attn::bf16_matvec``.
+"""Native CPU kernels, built on first use: ``attn::bf16_matvec``, ``attn::amx_linear`` and
+``attn::decode_attention``.
 
-A bf16 product of a few rows (a decode step at a small batch) is bound by reading the weight.
-Inductor's reductions widen every bf16 weight to fp32 before multiplying, and oneDNN's kernels
-pay a fixed cost a call; ``attn/csrc/bf16_matvec.cpp`` uses AVX512-BF16's dot-product
-instruction, loads each weight row once for all the rows and prefetches. The 30 layers'
-products of the SmolLM2-135M shape, 2 threads, Xeon 6/167: 9.0 ms at one row (24 GB/s), 11.1 at
-4, 14.4 at 8, against 14.7-16.3 for inductor's reductions and ``torch.mv`` at one row and 15.5
-for oneDNN on packed weights at any of those.
+A decode step at a small batch reads every weight once for a few rows, and every cached key and
+value once for a few queries: it is bound by memory reads, and by the instructions between
+them. Three C++ kernels (``attn/csrc``) do what inductor's code for the same step cannot:
 
-``compile_for_decode`` calls it for its bf16 linears of at most ``BF16_MATVEC_MAX_ROWS`` rows
-(and at most its ``max_rows``) where ``bf16_matvec_available()``: an x86 CPU with AVX512-BF16,
-and the extension built. The build (torch's C++ extension builder: a C++ compiler with OpenMP
-and ``ninja``) takes 8-30 s once per machine and torch release, then loads from torch's
-extension cache (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the step keeps inductor's
-reductions, with one warning that says why.
+- ``attn::bf16_matvec`` (``bf16_matvec.cpp``): bf16 products of 1 to ``BF16_MATVEC_MAX_ROWS``
+  rows with AVX512-BF16's dot-product instruction, each weight row loaded once for all the
+  rows and prefetched. The 30 layers' products of the SmolLM2-135M shape, 2 threads, Xeon
+  6/167: 9.0 ms at one row (24 GB/s), 11.1 at 4, 14.4 at 8, against 14.7-16.3 for inductor's
+  reductions and ``torch.mv`` at one row and 15.5 for oneDNN on packed weights at any of those.
+- ``attn::amx_linear`` (``amx_linear.cpp``): bf16 products of 1 to ``AMX_LINEAR_MAX_ROWS``
+  rows with AMX tiles, reading the weight as it is stored. Same shape and machine: 11.6-12.6
+  ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
+  14.0-14.6 for ``attn::bf16_matvec``; it takes over from ``AMX_FROM_ROWS`` rows.
+- ``attn::decode_attention`` (``decode_attention.cpp``): masked attention of a few queries per
+  row over the cache, fp32, bf16 or fp16, with AVX-512: one (row, query head) a task, a
+  vectorized softmax. One layer of that shape at 16 rows and 192 slots, 2 threads: 111-125 us
+  against 199-263 for inductor's reductions (``attn.fast_decode.decode_attention``).
 
-Results are fp32 sums rounded to bf16 once, like the other kernels'; the order of the sums
-differs, so the last bit of an output can.
+``compile_for_decode`` calls them where the CPU has their instructions (``bf16_linear_kernel``:
+AVX512-BF16, AMX; ``decode_attention_available()``: AVX-512) and the extension is built.
+The build (torch's C++ extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s
+once per machine and torch release, then loads from torch's extension cache
+(``TORCH_EXTENSIONS_DIR``). Where it cannot be built the step keeps inductor's code, with one
+warning that says why.
+
+Results are fp32 sums rounded to the tensors' dtype once, like the other kernels'; the order of
+the sums differs, so the last bit of an output can.
 """
 
 from __future__ import annotations
@@ -25,35 +36,66 @@ import functools
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-__all__ = ["BF16_MATVEC_MAX_ROWS", "bf16_matvec_available", "build_bf16_matvec"]
+__all__ = [
+    "AMX_FROM_ROWS",
+    "AMX_LINEAR_MAX_ROWS",
+    "BF16_MATVEC_MAX_ROWS",
+    "amx_linear_available",
+    "bf16_linear_kernel",
+    "bf16_matvec_available",
+    "build_native",
+    "decode_attention_available",
+    "native_head_dim",
+]
 
 BF16_MATVEC_MAX_ROWS = 8
 """Most rows of x ``attn::bf16_matvec`` takes (the kernel's ``kMaxRows``). At 16 rows oneDNN's
 product on packed weights, with AMX, was the faster: 15.8 against 25.3 ms for the 30 layers."""
 
-_SOURCE = Path(__file__).with_name("csrc") / "bf16_matvec.cpp"
+AMX_LINEAR_MAX_ROWS = 32
+"""Most rows of x ``attn::amx_linear`` takes (two tiles of 16)."""
+
+AMX_FROM_ROWS = 5
+"""Fewest rows that go to ``attn::amx_linear`` where the CPU has AMX: at 1 and 2 rows
+``attn::bf16_matvec`` was the faster (8.2-8.6 against 9.7-10.3 ms for the 30 layers at one
+row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
+
+_SOURCES = [
+    str(Path(__file__).with_name("csrc") / name)
+    for name in ("bf16_matvec.cpp", "amx_linear.cpp", "decode_attention.cpp")
+]
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines
 _LIBRARY.define("bf16_matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-
-
-def _build_then_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The operator before its CPU kernel is loaded: builds and loads it, then calls it (the
-    loaded kernel is the CPU one from then on and this is not reached again)."""
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise RuntimeError(f"attn::bf16_matvec runs on the CPU only, got x on {x.device} and weight on {weight.device}")
-    if _built:
-        raise RuntimeError("attn::bf16_matvec was built but registered no CPU kernel")  # not a loop
-    build_bf16_matvec()
-    return torch.ops.attn.bf16_matvec.default(x, weight, bias)
-
+_LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale) -> Tensor")
 
 _built = False
-_LIBRARY.impl("bf16_matvec", _build_then_call, "CompositeExplicitAutograd")
+
+
+def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
+    """The operator ``attn::<name>`` before its CPU kernel is loaded: builds and loads the
+    extension, then calls it (the loaded kernel is the CPU one from then on)."""
+
+    def call(*args: object) -> torch.Tensor:
+        devices = sorted({str(arg.device) for arg in args if isinstance(arg, torch.Tensor)})
+        if devices != ["cpu"]:
+            raise RuntimeError(f"attn::{name} runs on the CPU only, got tensors on {', '.join(devices)}")
+        if _built:
+            raise RuntimeError(f"attn::{name} was built but registered no CPU kernel")  # not a loop
+        build_native()
+        return getattr(torch.ops.attn, name).default(*args)
+
+    return call
+
+
+for _name in ("bf16_matvec", "amx_linear", "decode_attention"):
+    _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("attn::bf16_matvec")
@@ -61,26 +103,53 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.register_fake("attn::amx_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("attn::decode_attention")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)  # (b, h, s, d), contiguous
+
+
+def _has_avx512() -> bool:
+    """AVX-512 F, BW, VL and DQ: what ATen's AVX-512 kernels need, and a superset of ours."""
+    probe = getattr(torch.cpu, "_is_avx512_supported", None)
+    return probe is not None and bool(probe())
+
+
 def _has_avx512_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return probe is not None and bool(probe())
 
 
+def _has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return probe is not None and bool(probe()) and _has_avx512_bf16()
+
+
+def native_head_dim(head_dim: int) -> bool:
+    """Does ``attn::decode_attention`` take heads of this size? Multiples of 16 up to 512."""
+    return 0 < head_dim <= 512 and head_dim % 16 == 0
+
+
 def _extension_name() -> str:
     """One build per torch release: an extension is only loadable by the torch it was built with."""
     release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return f"attn_bf16_matvec_{release}"
+    return f"attn_native_{release}"
 
 
-def build_bf16_matvec() -> None:
-    """Builds (or loads from torch's extension cache) the kernel behind ``attn::bf16_matvec``.
+def build_native() -> None:
+    """Builds (or loads from torch's extension cache) the kernels behind ``attn::bf16_matvec``
+    and ``attn::decode_attention``.
 
     Raises:
-        RuntimeError: this CPU has no AVX512-BF16, or the build failed (the compiler's message).
+        RuntimeError: this CPU has no AVX-512, or the build failed (the compiler's message).
     """
     global _built
-    if not _has_avx512_bf16():
-        raise RuntimeError("attn::bf16_matvec needs an x86 CPU with AVX512-BF16; this one has none")
+    if not _has_avx512():
+        raise RuntimeError("attn's native kernels need an x86 CPU with AVX-512 (F, BW, VL, DQ); this one has none")
     if _built:  # loaded in this process: the builder would only re-check its files
         return
     from torch.utils import cpp_extension
@@ -96,7 +165,7 @@ def build_bf16_matvec() -> None:
     try:
         cpp_extension.load(
             name=_extension_name(),
-            sources=[str(_SOURCE)],
+            sources=_SOURCES,
             extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on torch's threads
             is_python_module=False,
             verbose=False,
@@ -107,22 +176,64 @@ def build_bf16_matvec() -> None:
 
 
 @functools.cache
-def bf16_matvec_available() -> bool:
-    """Can ``attn::bf16_matvec`` run here? Builds it on the first call on a CPU with AVX512-BF16;
-    a failed build warns once, with the reason, and answers no."""
-    if not _has_avx512_bf16():
+def _built_here() -> bool:
+    """Builds the extension on the first call on a CPU with AVX-512; a failed build warns once,
+    with the reason, and answers no from then on."""
+    if not _has_avx512():
         return False
     try:
-        build_bf16_matvec()
-    except Exception as error:  # no compiler, no ninja, an old compiler: the step keeps inductor's kernel
+        build_native()
+    except Exception as error:  # no compiler, no ninja, an old compiler: the step keeps inductor's code
         lines = str(error).strip().splitlines() or [type(error).__name__]
         first = next((line.strip() for line in lines if "error:" in line), lines[0])  # the compiler's, if any
         warnings.warn(
-            f"attn: could not build the AVX512-BF16 product kernel ({first}); compile_for_decode's bf16 steps of up "
-            "to 8 rows use inductor's reductions instead (a C++ compiler with OpenMP and `pip install ninja` let it "
-            "build)",
+            f"attn: could not build the native CPU kernels ({first}); compile_for_decode's steps use inductor's code "
+            "for bf16 products of up to 8 rows and for decode attention instead (a C++ compiler with OpenMP and "
+            "`pip install ninja` let it build)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return False
     return True
+
+
+def bf16_matvec_available() -> bool:
+    """Can ``attn::bf16_matvec`` run here? A CPU with AVX512-BF16, and the extension built
+    (on the first call; a failed build warns once and answers no)."""
+    return _has_avx512_bf16() and _built_here()
+
+
+def amx_linear_available() -> bool:
+    """Can ``attn::amx_linear`` run here? A CPU with AMX, the extension built, and Linux's
+    permission for the tile state (asked on the first call; a refusal warns once)."""
+    return _has_amx() and _built_here() and _tiles_permitted()
+
+
+@functools.cache
+def _tiles_permitted() -> bool:
+    """One small product: the kernel asks Linux for the tile state, and says so if refused."""
+    x, weight = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(16, 32, dtype=torch.bfloat16)
+    try:
+        torch.ops.attn.amx_linear.default(x, weight, None)
+    except RuntimeError as error:
+        warnings.warn(f"attn: {error}; bf16 steps of 5 to 32 rows use other kernels", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def bf16_linear_kernel(rows: int, features: int) -> torch._ops.OpOverload | None:
+    """The native kernel for a bf16 linear of ``rows`` input rows of ``features`` here:
+    ``attn::amx_linear`` from ``AMX_FROM_ROWS`` to ``AMX_LINEAR_MAX_ROWS`` rows (features a
+    multiple of 32) on a CPU with AMX, else ``attn::bf16_matvec`` up to
+    ``BF16_MATVEC_MAX_ROWS`` on one with AVX512-BF16; ``None`` where neither takes it."""
+    if AMX_FROM_ROWS <= rows <= AMX_LINEAR_MAX_ROWS and features % 32 == 0 and amx_linear_available():
+        return torch.ops.attn.amx_linear.default
+    if 1 <= rows <= BF16_MATVEC_MAX_ROWS and bf16_matvec_available():
+        return torch.ops.attn.bf16_matvec.default
+    return None
+
+
+def decode_attention_available() -> bool:
+    """Can ``attn::decode_attention`` run here? A CPU with AVX-512, and the extension built
+    (on the first call; a failed build warns once and answers no)."""
+    return _built_here()

@@ -30,10 +30,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-# The native one-row bf16 kernel runs on x86 CPUs with AVX512-BF16 only. Where the CPU has it
+# The native kernels run on x86 CPUs with AVX-512 (and the bf16 product AVX512-BF16) only. Where the CPU has it
 # the tests build it, and a failed build fails them: it is not a reason to skip.
 needs_bf16_matvec = pytest.mark.skipif(
     not attn.native._has_avx512_bf16(), reason="attn::bf16_matvec needs a CPU with AVX512-BF16; this one has none"
+)
+needs_amx = pytest.mark.skipif(
+    not attn.native._has_amx(), reason="attn::amx_linear needs a CPU with AMX-BF16; this one has none"
+)
+needs_avx512 = pytest.mark.skipif(
+    not attn.native._has_avx512(), reason="attn::decode_attention needs a CPU with AVX-512; this one has none"
 )
 
 
@@ -107,6 +113,29 @@ def tiny_model(seed: int = 0, **overrides: object) -> attn.TransformerDecoder:
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.2)
     return model.eval()
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Loops over batch, head and query in float64; a query that may attend nothing gets zeros.
+
+    q: (b, h, s, d); k, v: (b, h_kv, L, d); mask: bool, broadcastable to (b, h, s, L).
+    """
+    b, h, s, d = q.shape
+    group = h // k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    mask = mask.expand(b, h, s, k.shape[2])
+    out = torch.zeros(b, h, s, d, dtype=torch.float64)
+    for i in range(b):
+        for j in range(h):
+            keys, values = k[i, j // group].double(), v[i, j // group].double()  # (L, d)
+            for t in range(s):
+                allowed = mask[i, j, t]
+                if allowed.any():
+                    weights = ((keys[allowed] @ q[i, j, t].double()) * scale).softmax(-1)  # (n,)
+                    out[i, j, t] = weights @ values[allowed]
+    return out
 
 
 def poison_on_reset(model: attn.TransformerDecoder, past: int) -> None:

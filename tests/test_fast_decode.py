@@ -28,7 +28,16 @@ from attn.fast_decode import (
 )
 from attn.kv_cache import SLOT_STEP
 
-from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, needs_bf16_matvec, poison_on_reset, tiny_model
+from .conftest import (
+    GEMMA_OPTIONS,
+    assert_cache_unchanged,
+    cache_state,
+    naive_attention,
+    needs_amx,
+    needs_bf16_matvec,
+    poison_on_reset,
+    tiny_model,
+)
 
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 OTHER_PROMPTS = [[7, 8], [9, 10, 11, 12]]
@@ -37,8 +46,9 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def fast() -> Iterator[DecodeCompiled]:
-    """A tiny model with caches set up once, behind a compiled decode step (compiled here)."""
-    model = tiny_model(11)
+    """A tiny model with caches set up once, behind a compiled decode step (compiled here);
+    heads of 16, so that its attention calls ``attn::decode_attention`` where the CPU has AVX-512."""
+    model = tiny_model(11, head_dim=16)
     model.setup_caches(2, 32)
     wrapped = compile_for_decode(model)
     attn.generate(wrapped, PROMPTS, max_new_tokens=NEW_TOKENS)  # compiles the decode step
@@ -92,23 +102,6 @@ def test_gemma_compiles_and_equals_eager(family: str) -> None:
     assert fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
 
 
-def _naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Loops over batch, head and query in float64; a query that may attend nothing gets zeros."""
-    b, h, s, d = q.shape
-    group = h // k.shape[1]
-    mask = mask.expand(b, h, s, k.shape[2])
-    out = torch.zeros(b, h, s, d, dtype=torch.float64)
-    for i in range(b):
-        for j in range(h):
-            keys, values = k[i, j // group].double(), v[i, j // group].double()  # (L, d)
-            for t in range(s):
-                allowed = mask[i, j, t]
-                if allowed.any():
-                    weights = ((keys[allowed] @ q[i, j, t].double()) / d**0.5).softmax(-1)  # (n,)
-                    out[i, j, t] = weights @ values[allowed]
-    return out
-
-
 @given(
     batch=st.integers(1, 3),
     kv_heads=st.sampled_from([1, 2]),
@@ -128,14 +121,14 @@ def test_decode_attention_equals_sdpa_and_a_naive_loop(
     shape = (queries, length) if mask_rank == 2 else (batch, 1, queries, length)
     mask = torch.rand(shape, generator=gen) < 0.7  # some rows may allow nothing
     got = decode_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
-    torch.testing.assert_close(got.double(), _naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), naive_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
     if bool(mask.any(-1).all()):  # the stock kernel's answer for a fully masked row varies by release
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=group > 1)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     low = decode_attention(qb, kb, vb, attn_mask=mask, enable_gqa=group > 1)
     assert low.dtype == torch.bfloat16  # computed in fp32, rounded once
-    torch.testing.assert_close(low.double(), _naive_attention(qb, kb, vb, mask), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(low.double(), naive_attention(qb, kb, vb, mask), rtol=1e-2, atol=1e-2)
 
 
 def test_greedy_tokens_equal_eager_and_one_graph_for_the_generation(fast: DecodeCompiled) -> None:
@@ -148,6 +141,8 @@ def test_greedy_tokens_equal_eager_and_one_graph_for_the_generation(fast: Decode
     # q, k, v, o, gate, up, down per layer compiled, and the output head: all rewritten for decode
     assert fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
     assert fast.stats.attention_rewritten == _layers_compiled(model)  # one decode_attention per layer
+    native = attn.native.decode_attention_available()
+    assert fast.stats.attention_native == (_layers_compiled(model) if native else 0)
     assert fast.stats.regions == (1 if compat.compile_regions_supported() else 0)
 
 
@@ -251,15 +246,21 @@ def test_plain_inference_mode_decode_loop_runs_the_compiled_step(
 @pytest.mark.slow  # a bf16 graph of its own
 @pytest.mark.parametrize(
     ("native", "batch_size"),
-    [(False, 1), pytest.param(True, 1, marks=needs_bf16_matvec), pytest.param(True, 3, marks=needs_bf16_matvec)],
+    [
+        (False, 1),
+        pytest.param(True, 1, marks=needs_bf16_matvec),
+        pytest.param(True, 3, marks=needs_bf16_matvec),
+        pytest.param(True, 16, marks=needs_amx),
+    ],
 )
 def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> None:
     """bf16: the compiled step rounds each bf16 intermediate as eager does (inductor would keep
     some in fp32), so its logits, teacher-forced on the same tokens, stay within a few bf16
-    steps of eager's, not only its argmax; with inductor's reductions and with the native
-    kernel (``attn::bf16_matvec``) for every linear, at one row and at three."""
-    model = tiny_model(14).to(torch.bfloat16)
-    fast = compile_for_decode(model, native_matvec=native)
+    steps of eager's, not only its argmax; with inductor's code and with the native kernels
+    (``attn::bf16_matvec`` for every linear at one row and at three, ``attn::amx_linear`` at 16,
+    ``attn::decode_attention``)."""
+    model = tiny_model(14, head_dim=16, hidden_dim=64).to(torch.bfloat16)  # features: multiples of 32
+    fast = compile_for_decode(model, native=native)
     tokens = torch.randint(0, 61, (batch_size, 14), generator=torch.Generator().manual_seed(3))
     model.setup_caches(batch_size, 16)
 
@@ -273,6 +274,7 @@ def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> N
     expected, got = logits_of(model), logits_of(fast)
     assert fast.stats.graphs == 1 and fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1
     assert fast.stats.linears_native == (fast.stats.linears_rewritten if native else 0), fast.stats
+    assert fast.stats.attention_native == (_layers_compiled(model) if native else 0), fast.stats
     scale = expected.abs().max().item()
     worst = (got - expected).abs().max().item()
     # Without the option (torch <= 2.8) a norm's output reaches the next linear unrounded:
@@ -287,10 +289,10 @@ def test_bad_arguments() -> None:
         compile_for_decode(model, max_rows=-1)
     with pytest.raises(ValueError, match="vector_bits must be None, 128, 256 or 512"):
         compile_for_decode(model, vector_bits=300)
-    with pytest.raises(ValueError, match="native_matvec must be None, True or False"):
-        compile_for_decode(model, native_matvec=1)
+    with pytest.raises(ValueError, match="native must be None, True or False"):
+        compile_for_decode(model, native=1)
     with pytest.raises(ValueError, match="rewrite_linears=False turns off"):
-        compile_for_decode(model, native_matvec=True, rewrite_linears=False)
+        compile_for_decode(model, native=True, rewrite_linears=False)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())
 

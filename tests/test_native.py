@@ -1,5 +1,6 @@
-"""attn.native: the few-row bf16 kernel ``attn::bf16_matvec`` against a float64 reference,
-its errors, and what happens where it cannot be built."""
+"""attn.native: the few-row bf16 kernels ``attn::bf16_matvec`` and ``attn::amx_linear`` and the
+few-query attention kernel ``attn::decode_attention`` against float64 references, their errors, and what happens where
+they cannot be built."""
 
 from __future__ import annotations
 
@@ -12,27 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn.native
-from attn.native import BF16_MATVEC_MAX_ROWS, bf16_matvec_available, build_bf16_matvec
+from attn.native import (
+    AMX_FROM_ROWS,
+    AMX_LINEAR_MAX_ROWS,
+    BF16_MATVEC_MAX_ROWS,
+    bf16_linear_kernel,
+    bf16_matvec_available,
+    build_native,
+    decode_attention_available,
+)
 
-from .conftest import needs_bf16_matvec
+from .conftest import naive_attention, needs_amx, needs_avx512, needs_bf16_matvec
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@needs_bf16_matvec
-@given(
-    outputs=st.integers(1, 70),  # blocks of 4 or 2 weight rows, and the rest
-    features=st.integers(1, 140),  # 32 features a dot-product step, and a masked tail
-    rows=st.integers(1, BF16_MATVEC_MAX_ROWS),
-    layout=st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"]),
-    bias=st.booleans(),
-    threads=st.sampled_from([1, 2]),
-    seed=st.integers(0, 2**16),
-)
-@settings(max_examples=80, deadline=None)
-def test_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
+def _assert_product_rounded_once(op, outputs, features, rows, layout, bias, threads, seed):
     """Each output is the fp32 sum rounded to bf16 once: within half a bf16 step of the exact
     product, plus the fp32 sum's own error (``features`` roundings of at most the sum of
     magnitudes)."""
@@ -40,7 +38,7 @@ def test_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, 
     x, weight = _bf16((*lead, features), seed), _bf16((outputs, features), seed + 1)
     shift = _bf16((outputs,), seed + 2) if bias else None
     torch.set_num_threads(threads)
-    got = torch.ops.attn.bf16_matvec(x, weight, shift)
+    got = op(x, weight, shift)
     assert got.shape == (*lead, outputs) and got.dtype == torch.bfloat16
     flat = x.double().reshape(rows, features)  # (m, k)
     exact = flat @ weight.double().T  # (m, n)
@@ -52,56 +50,232 @@ def test_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, 
     assert bool((error <= bound).all()), f"worst error {float((error - bound).max()):.3g} past the bound"
 
 
+_LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
+
+
 @needs_bf16_matvec
-@pytest.mark.parametrize("rows", [1, 4, 8])
-def test_close_to_f_linear_on_decode_shapes(rows):
+@given(
+    outputs=st.integers(1, 70),  # blocks of 4 or 2 weight rows, and the rest
+    features=st.integers(1, 140),  # 32 features a dot-product step, and a masked tail
+    rows=st.integers(1, BF16_MATVEC_MAX_ROWS),
+    layout=_LAYOUTS,
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
+    _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
+
+
+@needs_amx
+@given(
+    outputs=st.integers(1, 200),  # blocks of 16 outputs, a short last one, threads' shares
+    steps=st.integers(1, 5),  # 32 features a tile
+    rows=st.integers(1, AMX_LINEAR_MAX_ROWS),  # one tile of 16 rows or two, zero-padded
+    layout=_LAYOUTS,
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_amx_equals_a_float64_product_rounded_once_to_bf16(outputs, steps, rows, layout, bias, threads, seed):
+    _assert_product_rounded_once(torch.ops.attn.amx_linear, outputs, 32 * steps, rows, layout, bias, threads, seed)
+
+
+@needs_amx
+def test_each_row_count_gets_the_faster_kernel():
+    amx, matvec = torch.ops.attn.amx_linear.default, torch.ops.attn.bf16_matvec.default
+    assert [bf16_linear_kernel(rows, 576) for rows in (1, AMX_FROM_ROWS - 1)] == [matvec, matvec]
+    assert [bf16_linear_kernel(rows, 576) for rows in (AMX_FROM_ROWS, 16, AMX_LINEAR_MAX_ROWS)] == [amx] * 3
+    assert bf16_linear_kernel(AMX_LINEAR_MAX_ROWS + 1, 576) is None  # a matrix product
+    assert bf16_linear_kernel(8, 48) is matvec and bf16_linear_kernel(16, 48) is None  # no tiles: 48 features
+
+
+@pytest.mark.parametrize(
+    ("kernel", "rows"),
+    [pytest.param("bf16_matvec", rows, marks=needs_bf16_matvec) for rows in (1, 4, 8)]
+    + [pytest.param("amx_linear", rows, marks=needs_amx) for rows in (5, 16, 32)],
+)
+def test_close_to_f_linear_on_decode_shapes(kernel, rows):
     """The SmolLM2-135M shape's products and head: within one bf16 step of F.linear (both sum in
     fp32, in different orders), and equal in almost every output."""
     for outputs, features in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]:
         x, weight = _bf16((rows, 1, features), outputs), _bf16((outputs, features), features)
-        got, expected = torch.ops.attn.bf16_matvec(x, weight, None), F.linear(x, weight)
+        got, expected = getattr(torch.ops.attn, kernel)(x, weight, None), F.linear(x, weight)
         step = expected.abs().float() * 2**-7 + 2**-20
         assert bool(((got.float() - expected.float()).abs() <= step).all()), (outputs, features)
         assert (got == expected).float().mean().item() > 0.95, (outputs, features)
 
 
-@needs_bf16_matvec
+def _bad(kernel, x, weight, bias, message, mark):
+    return pytest.param(kernel, x, weight, bias, message, marks=mark)
+
+
+_BF16 = {"dtype": torch.bfloat16}
+
+
 @pytest.mark.parametrize(
-    ("x", "weight", "bias", "message"),
+    ("kernel", "x", "weight", "bias", "message"),
     [
-        (torch.ones(1, 8), torch.ones(4, 8), None, "takes bf16 tensors"),
-        (
-            torch.ones(9, 8, dtype=torch.bfloat16),
-            torch.ones(4, 8, dtype=torch.bfloat16),
+        _bad("bf16_matvec", torch.ones(1, 8), torch.ones(4, 8), None, "takes bf16 tensors", needs_bf16_matvec),
+        _bad(
+            "bf16_matvec",
+            torch.ones(9, 8, **_BF16),
+            torch.ones(4, 8, **_BF16),
             None,
             "1 to 8 rows of x, got 9",
+            needs_bf16_matvec,
         ),
-        (torch.ones(1, 6, dtype=torch.bfloat16), torch.ones(4, 8, dtype=torch.bfloat16), None, "end in the weight's 8"),
-        (torch.ones(1, 4, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16).T, None, "contiguous"),
-        (
-            torch.ones(1, 8, dtype=torch.bfloat16),
-            torch.ones(4, 8, dtype=torch.bfloat16),
-            torch.ones(5, dtype=torch.bfloat16),
+        _bad(
+            "bf16_matvec",
+            torch.ones(1, 6, **_BF16),
+            torch.ones(4, 8, **_BF16),
+            None,
+            "end in the weight's 8",
+            needs_bf16_matvec,
+        ),
+        _bad(
+            "bf16_matvec", torch.ones(1, 4, **_BF16), torch.ones(8, 4, **_BF16).T, None, "contiguous", needs_bf16_matvec
+        ),
+        _bad(
+            "bf16_matvec",
+            torch.ones(1, 8, **_BF16),
+            torch.ones(4, 8, **_BF16),
+            torch.ones(5, **_BF16),
             r"bf16 \(4,\) vector",
+            needs_bf16_matvec,
+        ),
+        _bad("amx_linear", torch.ones(1, 32), torch.ones(4, 32), None, "takes bf16 tensors", needs_amx),
+        _bad(
+            "amx_linear",
+            torch.ones(33, 32, **_BF16),
+            torch.ones(4, 32, **_BF16),
+            None,
+            "1 to 32 rows of x, got 33",
+            needs_amx,
+        ),
+        _bad("amx_linear", torch.ones(1, 48, **_BF16), torch.ones(4, 48, **_BF16), None, "a multiple of 32", needs_amx),
+        _bad("amx_linear", torch.ones(1, 32, **_BF16), torch.ones(64, 32, **_BF16)[::2], None, "contiguous", needs_amx),
+        _bad(
+            "amx_linear",
+            torch.ones(1, 32, **_BF16),
+            torch.ones(4, 32, **_BF16),
+            torch.ones(5, **_BF16),
+            r"bf16 \(4,\) vector",
+            needs_amx,
         ),
     ],
 )
-def test_bad_input_names_the_values(x, weight, bias, message):
+def test_bad_input_names_the_values(kernel, x, weight, bias, message):
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.attn.bf16_matvec(x, weight, bias)
+        getattr(torch.ops.attn, kernel)(x, weight, bias)
 
 
-def test_a_cpu_without_avx512_bf16_is_told_so_and_not_offered_the_kernel(monkeypatch):
-    monkeypatch.setattr(attn.native, "_has_avx512_bf16", lambda: False)
-    bf16_matvec_available.cache_clear()
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@needs_avx512
+@given(
+    batch=st.integers(1, 3),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    queries=st.integers(1, 2),
+    length=st.integers(1, 40),  # 16 slots a vector step of the softmax, and a masked tail
+    spare=st.integers(0, 5),  # k and v as views of a cache with more slots
+    head_dim=st.sampled_from([16, 32, 64]),
+    dtype=st.sampled_from(sorted(_DTYPES)),
+    mask_rank=st.sampled_from([2, 4]),
+    scale=st.sampled_from([None, 0.3]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_attention_equals_a_float64_loop(
+    batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_rank, scale, threads, seed
+):
+    """fp32 scores, softmax and sums, rounded once to the dtype: within rounding of the exact
+    attention of the same (rounded) inputs; a query that may attend nothing gets zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kind = kv_heads * group, _DTYPES[dtype]
+    q = torch.randn(batch, heads, queries, head_dim, generator=gen).to(kind)
+    k, v = (torch.randn(batch, kv_heads, length + spare, head_dim, generator=gen).to(kind)[:, :, :length] for _ in "kv")
+    shape = (queries, length) if mask_rank == 2 else (batch, 1, queries, length)
+    mask = torch.rand(shape, generator=gen) < 0.7  # some rows may allow nothing
+    torch.set_num_threads(threads)
+    got = torch.ops.attn.decode_attention(q, k, v, mask, head_dim**-0.5 if scale is None else scale)
+    assert got.shape == q.shape and got.dtype == kind and got.is_contiguous()
+    tolerance = {"fp32": 1e-5, "bf16": 2**-8, "fp16": 2**-10}[dtype]
+    expected = naive_attention(q, k, v, mask, scale)
+    torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=1e-5)
+    blank = ~mask.expand(batch, heads, queries, length).any(-1)  # (b, h, s)
+    assert bool((got[blank] == 0).all())
+
+
+@needs_avx512
+def test_attention_on_a_decode_shape_is_rounded_once_and_no_further_from_exact_than_sdpa():
+    """The SmolLM2-135M shape at 16 rows (9 heads on 3 kv heads, 64 dims, 192 slots, the last 20
+    masked), bf16: each output within half a bf16 step (plus fp32 noise) of the exact attention,
+    and no further from it than the stock kernel's (which rounds its weights to bf16)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 9, 1, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(16, 3, 192, 64, generator=gen).bfloat16() for _ in "kv")
+    mask = torch.ones(16, 1, 1, 192, dtype=torch.bool)
+    mask[..., 172:] = False
+    got = torch.ops.attn.decode_attention(q, k, v, mask, 0.125)
+    stock = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    exact = naive_attention(q, k, v, mask)
+    error = (got.double() - exact).abs()
+    assert bool((error <= exact.abs() * 2**-8 + 1e-6).all()), float(error.max())  # bf16: u = 2^-8
+    assert error.max() <= (stock.double() - exact).abs().max()
+
+
+def _tensors(q_shape, kv_shape, dtype=torch.float32, kv_dtype=None, mask_shape=None, mask_dtype=torch.bool):
+    q = torch.zeros(q_shape, dtype=dtype)
+    k = torch.zeros(kv_shape, dtype=kv_dtype or dtype)
+    mask = torch.ones(mask_shape or (1, 1, q_shape[2], kv_shape[2]), dtype=mask_dtype)
+    return q, k, k.clone(), mask
+
+
+@needs_avx512
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        (_tensors((1, 2, 1, 16), (1, 1, 4, 16), kv_dtype=torch.bfloat16), "must share a dtype, got Float, BFloat16"),
+        (_tensors((1, 2, 1, 16), (1, 1, 4, 16), dtype=torch.float64), "fp32, bf16 or fp16, got Double"),
+        (_tensors((1, 2, 1, 8), (1, 1, 4, 8)), "multiple of 16 up to 512, got 8"),
+        (_tensors((1, 3, 1, 16), (1, 2, 4, 16)), "h a multiple of h_kv"),
+        (
+            _tensors((1, 2, 1, 16), (1, 1, 4, 16), mask_shape=(1, 1, 1, 5)),
+            r"broadcast to \(b, h, s, L\) = \(1, 2, 1, 4\)",
+        ),
+        (_tensors((1, 2, 1, 16), (1, 1, 4, 16), mask_dtype=torch.float32), "takes a bool mask, got Float"),
+        (_tensors((1, 2, 16), (1, 1, 4, 16)), r"takes q \(b, h, s, d\)"),
+    ],
+)
+def test_attention_bad_input_names_the_values(tensors, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.decode_attention(*tensors, 0.25)
+
+
+def test_a_cpu_without_avx512_is_told_so_and_not_offered_the_kernels(monkeypatch):
+    monkeypatch.setattr(attn.native, "_has_avx512", lambda: False)
+    attn.native._built_here.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="needs an x86 CPU with AVX512-BF16"):
-            build_bf16_matvec()
+        with pytest.raises(RuntimeError, match="need an x86 CPU with AVX-512"):
+            build_native()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # not a build failure: no warning
+            assert decode_attention_available() is False
             assert bf16_matvec_available() is False
+            assert bf16_linear_kernel(1, 576) is None and bf16_linear_kernel(16, 576) is None
     finally:
-        bf16_matvec_available.cache_clear()
+        attn.native._built_here.cache_clear()
+
+
+def test_a_cpu_without_avx512_bf16_is_not_offered_the_bf16_kernel(monkeypatch):
+    monkeypatch.setattr(attn.native, "_has_avx512_bf16", lambda: False)
+    assert bf16_matvec_available() is False
 
 
 def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
@@ -110,15 +284,16 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
 
     from torch.utils import cpp_extension
 
-    monkeypatch.setattr(attn.native, "_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(attn.native, "_has_avx512", lambda: True)
     monkeypatch.setattr(attn.native, "_built", False)  # as in a process that has not loaded it yet
     monkeypatch.setattr(cpp_extension, "load", fail)
-    bf16_matvec_available.cache_clear()
+    attn.native._built_here.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="error: no compiler here.*inductor's reductions"):
-            assert bf16_matvec_available() is False
+        with pytest.warns(RuntimeWarning, match="error: no compiler here.*inductor's code"):
+            assert decode_attention_available() is False
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert bf16_matvec_available() is False  # answered once: no second warning
+            assert decode_attention_available() is False  # answered once: no second warning
+            assert bf16_matvec_available() is False
     finally:
-        bf16_matvec_available.cache_clear()
+        attn.native._built_here.cache_clear()

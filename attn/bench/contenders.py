@@ -383,10 +383,11 @@ class AttnCompiled(AttnEager):
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
         native = f" ({stats.linears_native} of them through attn::bf16_matvec)" if stats.linears_native else ""
+        attention = f" ({stats.attention_native} through attn::decode_attention)" if stats.attention_native else ""
         return (
-            f"{stats.linears_rewritten} linear layer(s){native} and {stats.attention_rewritten} attention call(s) "
-            f"rewritten as reductions, {stats.linears_packed} reading packed weights ({layers}); SIMD width {width}; "
-            f"{stats.compile_seconds:.1f} s in inductor"
+            f"{stats.linears_rewritten} linear layer(s){native} and {stats.attention_rewritten} attention call(s)"
+            f"{attention} rewritten for few rows, {stats.linears_packed} reading packed weights ({layers}); SIMD width "
+            f"{width}; {stats.compile_seconds:.1f} s in inductor"
         )
 
 
