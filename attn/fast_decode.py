@@ -85,9 +85,11 @@ from attn.checks import is_int
 from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
 from attn.native import (
+    FP32_LINEAR_MAX_ROWS,
     bf16_linear_kernel,
     build_native,
     decode_attention_available,
+    fp32_linear_available,
     native_head_dim,
 )
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
@@ -271,7 +273,8 @@ class DecodeCompileStats:
     linears_native: int = 0
     """Of the rewritten linears, those that call a native kernel (``attn.native``): bf16
     products of at most 8 rows on a CPU with AVX512-BF16 (``attn::bf16_matvec``), or of 5 to
-    32 on one with AMX (``attn::amx_linear``)."""
+    32 on one with AMX (``attn::amx_linear``); fp32 ones of ``max_rows`` + 1 to 16 rows
+    (``attn::fp32_linear``)."""
     linears_packed: int = 0
     """Linear calls that read packed weights (``attn.set_packed_decode``: those with more rows
     than ``max_rows``), counted the same way."""
@@ -296,9 +299,10 @@ def _rewrite_small_linears(
 ) -> tuple[list[tuple[int, torch.dtype]], int, int]:
     """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``; with
     ``native``, a bf16 one that a native kernel takes (``attn.native.bf16_linear_kernel``: up
-    to 8 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel; and with
-    ``packed`` (the model asked for packed decode) every other one at
-    ``attn.packed.packed_linear``.
+    to 8 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel, and an fp32 one
+    of more than ``max_rows`` and at most 16 rows at ``attn::fp32_linear``; but with
+    ``packed`` (the model asked for packed decode) every linear of more than ``max_rows``
+    rows at ``attn.packed.packed_linear``.
 
     Returns:
         ``(rows, weight dtype)`` of each linear rewritten, how many of those call a native
@@ -317,17 +321,22 @@ def _rewrite_small_linears(
         rows = example.numel() // max(int(example.shape[-1]), 1)
         dtype = weight.dtype if isinstance(weight, torch.Tensor) else example.dtype
         kernel = None
+        small = isinstance(rows, int) and rows <= max_rows
         if (
             native
+            and (small or not packed)  # packed decode, asked for, keeps the matrix products
             and isinstance(rows, int)
             and isinstance(weight, torch.Tensor)
             and weight.dim() == 2
             and weight.is_contiguous()
-            and dtype == example.dtype == torch.bfloat16
+            and dtype == example.dtype
             and example.device.type == "cpu"
         ):
-            kernel = bf16_linear_kernel(rows, int(weight.shape[1]))
-        if kernel is None and (not isinstance(rows, int) or rows > max_rows):  # symbolic or large: a matrix product
+            if dtype == torch.bfloat16:
+                kernel = bf16_linear_kernel(rows, int(weight.shape[1]))
+            elif dtype == torch.float32 and max_rows < rows <= FP32_LINEAR_MAX_ROWS and fp32_linear_available():
+                kernel = torch.ops.attn.fp32_linear.default
+        if kernel is None and not small:  # symbolic or large: a matrix product
             if packed:
                 node.target = torch.ops.attn.packed_linear.default
                 node.args, node.kwargs = (node.args[0], node.args[1], bias), {}
@@ -676,8 +685,10 @@ def compile_for_decode(
     Args:
         model: a ``TransformerDecoder`` in eval mode; it is shared, not copied.
         max_rows: linear layers with at most this many input rows (batch size for decode)
-            are rewritten into row-wise reductions; larger batches keep the BLAS kernel
-            (bf16 ones of up to 32 rows on a CPU with AMX: ``attn::amx_linear``, below).
+            are rewritten into row-wise reductions; larger batches keep the BLAS kernel,
+            except, up to 16 rows in fp32 and 32 in bf16, for attn's native products where
+            the CPU runs them (``native``, below) and the model did not ask for packed
+            decode.
         rewrite_linears: ``False`` compiles the step with stock inductor (for comparison):
             no linear and no attention rewrite.
         vector_bits: SIMD width for the generated code (inductor's ``cpp.simdlen``: 256,
@@ -686,8 +697,9 @@ def compile_for_decode(
         native: attn's C++ kernels, built on first use (``attn.native``): attention calls
             ``attn::decode_attention`` (AVX-512); bf16 linears of 5 to 32 rows
             ``attn::amx_linear`` (AMX), and of at most ``min(max_rows, 8)`` rows
-            ``attn::bf16_matvec`` (AVX512-BF16 dot products), where the CPU has those
-            instructions. ``None`` (default) where the CPU has AVX-512 and
+            ``attn::bf16_matvec`` (AVX512-BF16 dot products); fp32 linears of more than
+            ``max_rows`` and at most 16 rows ``attn::fp32_linear`` (AVX512-BF16 CPUs), where
+            the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and
             the build succeeds (else one warning and inductor's code), ``True`` to require
             the build (its error if not), ``False`` for inductor's code.
 

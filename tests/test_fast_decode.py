@@ -309,6 +309,20 @@ def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -
     assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)
 
 
+@needs_bf16_matvec
+def test_fp32_rows_past_max_rows_call_the_native_product_and_equal_eager() -> None:
+    """A GRPO-sized fp32 batch (16 rows, past ``max_rows``): every linear calls
+    ``attn::fp32_linear`` instead of the BLAS kernel, and the greedy tokens equal eager's."""
+    model = tiny_model(19, head_dim=16)
+    fast = compile_for_decode(model)
+    prompts = [[1 + i % 7, 2 + i % 5, 3] for i in range(16)]
+    got = attn.generate(fast, prompts, max_new_tokens=6)
+    expected = attn.generate(model, prompts, max_new_tokens=6)
+    assert torch.equal(got.tokens, expected.tokens)
+    torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)
+    assert fast.stats.linears_native == fast.stats.linears_rewritten == 7 * _layers_compiled(model) + 1, fast.stats
+
+
 @pytest.mark.slow  # two graphs of its own
 @pytest.mark.parametrize("callers_cache", [False, True])
 def test_a_second_cache_length_compiles_one_graph_for_every_later_length(callers_cache: bool) -> None:

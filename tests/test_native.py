@@ -17,6 +17,7 @@ from attn.native import (
     AMX_FROM_ROWS,
     AMX_LINEAR_MAX_ROWS,
     BF16_MATVEC_MAX_ROWS,
+    FP32_LINEAR_MAX_ROWS,
     bf16_linear_kernel,
     bf16_matvec_available,
     build_native,
@@ -30,22 +31,23 @@ def _bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def _assert_product_rounded_once(op, outputs, features, rows, layout, bias, threads, seed):
-    """Each output is the fp32 sum rounded to bf16 once: within half a bf16 step of the exact
-    product, plus the fp32 sum's own error (``features`` roundings of at most the sum of
-    magnitudes)."""
+def _assert_product_rounded_once(op, outputs, features, rows, layout, bias, threads, seed, dtype=torch.bfloat16):
+    """Each output is the fp32 sum rounded once to the dtype: within half a step of the exact
+    product (bf16: 2^-8 relative, fp32: none more), plus the fp32 sum's own error (``features``
+    roundings of at most the sum of magnitudes)."""
     lead = {"(m, k)": (rows,), "(m, 1, k)": (rows, 1), "(1, m, k)": (1, rows)}[layout]
-    x, weight = _bf16((*lead, features), seed), _bf16((outputs, features), seed + 1)
-    shift = _bf16((outputs,), seed + 2) if bias else None
+    values = lambda shape, seed: _bf16(shape, seed).to(dtype)  # noqa: E731 - bf16 values, exact in fp32 too
+    x, weight = values((*lead, features), seed), values((outputs, features), seed + 1)
+    shift = values((outputs,), seed + 2) if bias else None
     torch.set_num_threads(threads)
     got = op(x, weight, shift)
-    assert got.shape == (*lead, outputs) and got.dtype == torch.bfloat16
+    assert got.shape == (*lead, outputs) and got.dtype == dtype
     flat = x.double().reshape(rows, features)  # (m, k)
     exact = flat @ weight.double().T  # (m, n)
     magnitude = flat.abs() @ weight.double().abs().T
     if shift is not None:
         exact, magnitude = exact + shift.double(), magnitude + shift.double().abs()
-    bound = exact.abs() * 2**-8 + magnitude * (features + 1) * 2**-23
+    bound = exact.abs() * (2**-8 if dtype == torch.bfloat16 else 0) + magnitude * (features + 1) * 2**-23
     error = (got.double().reshape(rows, outputs) - exact).abs()
     assert bool((error <= bound).all()), f"worst error {float((error - bound).max()):.3g} past the bound"
 
@@ -66,6 +68,23 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
 @settings(max_examples=80, deadline=None)
 def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
+
+
+@needs_bf16_matvec
+@given(
+    outputs=st.integers(1, 70),  # blocks of 4, 2 or 1 weight rows, and the rest
+    features=st.integers(1, 80),  # 16 features a step, and a masked tail
+    rows=st.integers(1, FP32_LINEAR_MAX_ROWS),
+    layout=_LAYOUTS,
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, threads, seed):
+    _assert_product_rounded_once(
+        torch.ops.attn.fp32_linear, outputs, features, rows, layout, bias, threads, seed, dtype=torch.float32
+    )
 
 
 @needs_amx
@@ -95,14 +114,19 @@ def test_each_row_count_gets_the_faster_kernel():
 @pytest.mark.parametrize(
     ("kernel", "rows"),
     [pytest.param("bf16_matvec", rows, marks=needs_bf16_matvec) for rows in (1, 4, 8)]
-    + [pytest.param("amx_linear", rows, marks=needs_amx) for rows in (5, 16, 32)],
+    + [pytest.param("amx_linear", rows, marks=needs_amx) for rows in (5, 16, 32)]
+    + [pytest.param("fp32_linear", rows, marks=needs_bf16_matvec) for rows in (9, 16)],
 )
 def test_close_to_f_linear_on_decode_shapes(kernel, rows):
-    """The SmolLM2-135M shape's products and head: within one bf16 step of F.linear (both sum in
-    fp32, in different orders), and equal in almost every output."""
+    """The SmolLM2-135M shape's products and head: within one step of the dtype of F.linear
+    (both sum in fp32, in different orders), and equal in almost every bf16 output."""
+    dtype = torch.float32 if kernel == "fp32_linear" else torch.bfloat16
     for outputs, features in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]:
-        x, weight = _bf16((rows, 1, features), outputs), _bf16((outputs, features), features)
+        x, weight = _bf16((rows, 1, features), outputs).to(dtype), _bf16((outputs, features), features).to(dtype)
         got, expected = getattr(torch.ops.attn, kernel)(x, weight, None), F.linear(x, weight)
+        if dtype == torch.float32:  # sums of 576-1536 products in two orders
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+            continue
         step = expected.abs().float() * 2**-7 + 2**-20
         assert bool(((got.float() - expected.float()).abs() <= step).all()), (outputs, features)
         assert (got == expected).float().mean().item() > 0.95, (outputs, features)
@@ -145,6 +169,18 @@ _BF16 = {"dtype": torch.bfloat16}
             torch.ones(5, **_BF16),
             r"bf16 \(4,\) vector",
             needs_bf16_matvec,
+        ),
+        _bad(
+            "fp32_linear",
+            torch.ones(1, 8, **_BF16),
+            torch.ones(4, 8, **_BF16),
+            None,
+            "takes fp32 tensors",
+            needs_bf16_matvec,
+        ),
+        _bad("fp32_linear", torch.ones(17, 8), torch.ones(4, 8), None, "1 to 16 rows of x, got 17", needs_bf16_matvec),
+        _bad(
+            "fp32_linear", torch.ones(1, 8), torch.ones(4, 8), torch.ones(5), r"fp32 \(4,\) vector", needs_bf16_matvec
         ),
         _bad("amx_linear", torch.ones(1, 32), torch.ones(4, 32), None, "takes bf16 tensors", needs_amx),
         _bad(
@@ -280,7 +316,9 @@ def test_a_cpu_without_avx512_bf16_is_not_offered_the_bf16_kernel(monkeypatch):
 
 def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
     def fail(**kwargs):
-        raise RuntimeError("Error building extension 'x': [1/2] c++ ...\nbf16_matvec.cpp:1:10: error: no compiler here")
+        raise RuntimeError(
+            "Error building extension 'x': [1/2] c++ ...\nfew_rows_linear.cpp:1:10: error: no compiler here"
+        )
 
     from torch.utils import cpp_extension
 

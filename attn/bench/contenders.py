@@ -382,7 +382,7 @@ class AttnCompiled(AttnEager):
         stats = self.fast.stats
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
-        native = f" ({stats.linears_native} of them through attn::bf16_matvec)" if stats.linears_native else ""
+        native = f" ({stats.linears_native} of them through a native kernel)" if stats.linears_native else ""
         attention = f" ({stats.attention_native} through attn::decode_attention)" if stats.attention_native else ""
         return (
             f"{stats.linears_rewritten} linear layer(s){native} and {stats.attention_rewritten} attention call(s)"
