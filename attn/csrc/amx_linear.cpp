@@ -11,8 +11,10 @@
 // and prefetches the rows 8 blocks ahead into L2. The 30 layers' products of the SmolLM2-135M
 // shape on 2 threads of a Xeon 6/167, 16 rows: 11.6-12.6 ms, against 15.0-15.7 for oneDNN's
 // product on packed weights; at 8 rows 11.0-12.1 against 14.0-14.6 for attn::bf16_matvec (which
-// stays the faster at 1 and 2 rows). Sums are fp32; each output is rounded to bf16 once
-// (nearest even). Built on first use by attn/native.py, which checks the CPU has AMX.
+// stays the faster at 1 and 2 rows). Two accumulator tiles for even and odd steps (no chain of
+// dependent tile products) were slower in the step: 77-79 against 72.6-72.8 us a call. Sums
+// are fp32; each output is rounded to bf16 once (nearest even). Built on first use by
+// attn/native.py, which checks the CPU has AMX.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
