@@ -20,10 +20,10 @@ bf16 linears of those few rows on a CPU with AVX512-BF16 call ``attn::bf16_matve
 emit. At one row it reads the weights at 24-25 GB/s where the reductions read 13-14; at 8 rows
 the bench's step ran 2.06x as fast (Xeon 6/167, 2 threads). On a CPU with AMX, bf16 linears of
 5 to 32 rows call ``attn::amx_linear``, tile products on the weight as stored, whatever
-``max_rows``: at 16 rows (a GRPO group) they beat oneDNN's product on packed weights. On a CPU
-with AVX-512, attention
-calls ``attn::decode_attention``, a C++ kernel with a vectorized softmax: the reductions ran at
-about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
+``max_rows``: at 16 rows (a GRPO group) they beat oneDNN's product on packed weights; fp32
+linears of ``max_rows`` + 1 to 16 rows call ``attn::fp32_linear`` instead of MKL's sgemm. On a
+CPU with AVX-512, attention calls ``attn::decode_attention``, a C++ kernel with a vectorized
+softmax: the reductions ran at about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
 
 Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
 calls (``attn.regions.compile_region``), so inductor compiles one layer, not all of them. A
@@ -696,8 +696,8 @@ def compile_for_decode(
             CPUs with AVX-512, where it measured faster.
         native: attn's C++ kernels, built on first use (``attn.native``): attention calls
             ``attn::decode_attention`` (AVX-512); bf16 linears of 5 to 32 rows
-            ``attn::amx_linear`` (AMX), and of at most ``min(max_rows, 8)`` rows
-            ``attn::bf16_matvec`` (AVX512-BF16 dot products); fp32 linears of more than
+            ``attn::amx_linear`` (AMX), and of at most 8 rows (fewer than 5 with AMX)
+            ``attn::bf16_matvec`` (AVX512-BF16 dot products), whatever ``max_rows``; fp32 linears of more than
             ``max_rows`` and at most 16 rows ``attn::fp32_linear`` (AVX512-BF16 CPUs), where
             the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and
             the build succeeds (else one warning and inductor's code), ``True`` to require
