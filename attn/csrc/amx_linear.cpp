@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <vector>
 
+// The input checks repeat few_rows_linear.cpp's: a header shared by both would not be seen by torch's
+// extension builder, which rebuilds when a source's text changes, not an included file's.
 #define ATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {

@@ -183,13 +183,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(L > 0, "attn::decode_attention: the cache has no slots (k ", k.sizes(), ")");
   TORCH_CHECK(attn_mask.scalar_type() == at::kBool, "attn::decode_attention takes a bool mask, got ",
               attn_mask.scalar_type());
-  TORCH_CHECK(attn_mask.dim() <= 4, "attn::decode_attention: the mask must broadcast to (b, h, s, L) = (", B, ", ",
-              H, ", ", S, ", ", L, "), got sizes ", attn_mask.sizes());
-  for (int64_t i = 0; i < attn_mask.dim(); ++i) {
-    const int64_t want = std::vector<int64_t>{B, H, S, L}[4 - attn_mask.dim() + i], got = attn_mask.size(i);
-    TORCH_CHECK(got == want || got == 1, "attn::decode_attention: the mask must broadcast to (b, h, s, L) = (", B,
-                ", ", H, ", ", S, ", ", L, "), got sizes ", attn_mask.sizes());
+  const int64_t shape[4] = {B, H, S, L};
+  bool broadcasts = attn_mask.dim() <= 4;
+  for (int64_t i = 0; broadcasts && i < attn_mask.dim(); ++i) {
+    const int64_t got = attn_mask.size(i);
+    broadcasts = got == 1 || got == shape[4 - attn_mask.dim() + i];
   }
+  TORCH_CHECK(broadcasts, "attn::decode_attention: the mask must broadcast to (b, h, s, L) = (", B, ", ", H, ", ", S,
+              ", ", L, "), got sizes ", attn_mask.sizes());
   // Rows of d contiguous values; the cache's own strides otherwise (a view of fewer slots).
   const at::Tensor qr = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kr = k.stride(3) == 1 ? k : k.contiguous();
