@@ -219,7 +219,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     queries=st.integers(1, 2),
     length=st.integers(1, 40),  # 16 slots a vector step of the softmax, and a masked tail
     spare=st.integers(0, 5),  # k and v as views of a cache with more slots
-    head_dim=st.sampled_from([16, 32, 64]),
+    head_dim=st.sampled_from([16, 32, 48, 64, 128]),  # 64 and 128: unrolled loops; bf16 48: a half load
     dtype=st.sampled_from(sorted(_DTYPES)),
     mask_rank=st.sampled_from([2, 4]),
     scale=st.sampled_from([None, 0.3]),
@@ -246,6 +246,34 @@ def test_attention_equals_a_float64_loop(
     torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=1e-5)
     blank = ~mask.expand(batch, heads, queries, length).any(-1)  # (b, h, s)
     assert bool((got[blank] == 0).all())
+
+
+@needs_avx512
+@given(
+    length=st.integers(1, 40),
+    head_dim=st.sampled_from([16, 64]),
+    dtype=st.sampled_from(sorted(_DTYPES)),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, dtype, seed):
+    """NaN keys and values in every masked slot, before the last allowed one and after it, give
+    the output that zeros there give: a masked slot's score is dropped by selection, not by a
+    weight of 0 times its value."""
+    gen = torch.Generator().manual_seed(seed)
+    kind = _DTYPES[dtype]
+    q = torch.randn(2, 4, 1, head_dim, generator=gen).to(kind)
+    k, v = (torch.randn(2, 2, length, head_dim, generator=gen).to(kind) for _ in "kv")
+    mask = torch.rand(2, 1, 1, length, generator=gen) < 0.6
+    hidden = ~mask.reshape(2, 1, length)  # (b, 1, L): broadcast over the kv heads
+    clean = torch.ops.attn.decode_attention(
+        q, k.masked_fill(hidden[..., None], 0), v.masked_fill(hidden[..., None], 0), mask, 0.25
+    )
+    poisoned = torch.ops.attn.decode_attention(
+        q, k.masked_fill(hidden[..., None], float("nan")), v.masked_fill(hidden[..., None], float("nan")), mask, 0.25
+    )
+    assert not bool(poisoned.isnan().any())
+    torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
 
 
 @needs_avx512

@@ -5,15 +5,25 @@
 // FLOPs per byte: 2 x d products for the score, d for the value. Inductor's code for the same
 // reductions (attn.fast_decode.decode_attention) ran at about 20 GFLOP/s in a 16-row step of the
 // SmolLM2-135M shape (8.6 ms of a 35 ms step on 2 threads of a Xeon 6/167), and the stock CPU
-// kernels are built for many queries. This one runs each (batch row, query head) as a task: the
-// query scaled in fp32, one fp32 dot product a slot, a vectorized softmax (exp by range reduction
-// and a degree-7 polynomial, under 2 ulp), then the weighted sum of the value rows, divided once
-// by the total. Query heads of one kv head are neighbouring tasks, so their key and value rows
-// come from the cache of the core that read them first. A query whose mask is all False gets
-// zeros, like the stock kernel. Sums are fp32 in another order than other kernels'. A variant
-// that ran each (row, kv head) as a task, loading each key and value row once for up to 4 of
-// its group's queries, was no faster in the step (206 against 196 us a layer in bf16, 299
-// against 265-270 in fp32), so it was not kept.
+// kernels are built for many queries. This one runs each (batch row, query head) as a task:
+// - the query scaled once in fp32; slots past the last allowed one are not read;
+// - scores 16 slots at a time: one fp32 vector of partial products a slot, the 16 vectors summed
+//   lane-wise together (one shuffle tree, not 16 reductions), masked slots set to -inf by
+//   selection, so a slot's NaN never reaches the softmax;
+// - a vectorized softmax (exp by range reduction and a degree-7 polynomial, under 2 ulp);
+// - the weighted sum of the value rows, divided once by the total.
+// bf16 rows are widened 32 values a load by interleaving with zeros (one instruction a vector,
+// against two for a zero extension and a shift); the order this leaves them in is undone once a
+// query. Heads of 64 and 128 dims get loops the compiler unrolls. Query heads of one kv head are
+// neighbouring tasks, so their rows come from the core's cache; the first of them prefetches the
+// next kv head's rows into L2. A query whose mask is all False gets zeros, like the stock kernel.
+// Sums are fp32 in another order than other kernels'. One layer of the 16-row shape (160 of 192
+// slots allowed), 2 threads of a Xeon 6/167, against this kernel's first version (a reduction a
+// slot, every slot read): bf16 130-153 us with 30 layers' caches read from memory against
+// 218-228, 77 against 106 with one layer's in cache (best of 400); fp32 205-260 against 288-308,
+// 100-104 against 107-108. A variant that ran each (row, kv head) as a task, loading each key and value row once for up to
+// 4 of its group's queries, was no faster in the step (206 against 196 us a layer in bf16, 299
+// against 265-270 in fp32, with one reduction a slot), so it was not kept.
 // Built on first use by attn/native.py, which checks the CPU has AVX-512 (F, BW, VL).
 
 #include <ATen/Parallel.h>
@@ -24,6 +34,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -36,24 +47,97 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;  // the output accumulators live on the stack
 
-// 16 values from p, widened to fp32.
+// How a dtype's rows are read: a load takes kValues values and widens them to kVectors fp32
+// vectors. bf16 takes 32 a load and widens them by interleaving with zeros (bf16 is fp32's top
+// half), one instruction a vector; the fp32 vectors then hold dims 8L..8L+3 (first) and
+// 8L+4..8L+7 (second) of each 128-bit lane L. q and k are widened alike, so a dot product
+// does not see the order; the value sums are put back in order once a query (`unpermute`).
 template <typename T>
-ATTN_AVX512 inline __m512 load16(const T* p);
+struct Rows;
 
 template <>
-ATTN_AVX512 inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
+struct Rows<float> {
+  static constexpr int64_t kValues = 16, kVectors = 1;
+  ATTN_AVX512 static void widen(const float* p, int64_t count, __m512* out) {
+    out[0] = count == kValues ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((1u << count) - 1, p);
+  }
+};
+
+template <>
+struct Rows<c10::Half> {
+  static constexpr int64_t kValues = 16, kVectors = 1;
+  ATTN_AVX512 static void widen(const c10::Half* p, int64_t count, __m512* out) {
+    const __m256i raw = count == kValues ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                         : _mm256_maskz_loadu_epi16((1u << count) - 1, p);
+    out[0] = _mm512_cvtph_ps(raw);
+  }
+};
+
+template <>
+struct Rows<c10::BFloat16> {
+  static constexpr int64_t kValues = 32, kVectors = 2;
+  ATTN_AVX512 static void widen(const c10::BFloat16* p, int64_t count, __m512* out) {
+    const __m512i raw = count == kValues ? _mm512_loadu_si512(p)
+                                         : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << count) - 1), p);
+    const __m512i zero = _mm512_setzero_si512();
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+  }
+};
+
+// use(i, vector) for each of a row's `loads` x kVectors widened vectors (d values in all).
+template <typename T, typename Use>
+ATTN_AVX512 inline void widen_row(const T* row, int64_t loads, int64_t d, Use&& use) {
+  using R = Rows<T>;
+#pragma GCC unroll 8
+  for (int64_t c = 0; c < loads; ++c) {
+    __m512 widened[2];
+    R::widen(row + c * R::kValues, std::min(R::kValues, d - c * R::kValues), widened);
+#pragma GCC unroll 2
+    for (int64_t i = 0; i < R::kVectors; ++i) use(c * R::kVectors + i, widened[i]);
+  }
 }
 
-template <>
-ATTN_AVX512 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 is fp32's top half
+// The value sums of one load's vectors, back in the order of the dims (see Rows<BFloat16>).
+template <typename T>
+ATTN_AVX512 inline void unpermute(__m512* sums) {
+  if constexpr (Rows<T>::kVectors == 2) {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const __m512 low = sums[0], high = sums[1];
+    sums[0] = _mm512_permutex2var_ps(low, first, high);
+    sums[1] = _mm512_permutex2var_ps(low, second, high);
+  }
 }
 
-template <>
-ATTN_AVX512 inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// The 16 sums of 16 vectors' lanes, in their order: pairs, then quads, then the four 128-bit
+// lanes folded (45 instructions where 16 reductions take about 140).
+ATTN_AVX512 inline __attribute__((always_inline)) __m512 sum_each(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // lane L: (2i, 2i+1, 2i, 2i+1) partial sums
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // lane L: (4i, 4i+1, 4i+2, 4i+3) partial sums
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
+}
+
+// Which of `count` slots from `allowed` (`step` bools apart) may be attended, as a bit mask.
+ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, int64_t count) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+  if (step == 1) {
+    const __m128i raw = _mm_maskz_loadu_epi8(valid, allowed);
+    return _mm_cmpneq_epi8_mask(raw, _mm_setzero_si128());
+  }
+  if (step == 0) return allowed[0] ? valid : 0;
+  __mmask16 slots = 0;
+  for (int64_t i = 0; i < count; ++i) slots |= static_cast<__mmask16>(allowed[i * step]) << i;
+  return slots;
 }
 
 // exp(x) for x <= 0 (softmax weights): n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by
@@ -77,59 +161,79 @@ ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
-// One query: out[0, d) = softmax(scale q . k_j over allowed j) . v_j. `scores` holds L floats.
-template <typename T>
+// One query: out[0, d) = softmax(scale q . k_j over allowed j) . v_j. `scores` holds L + 16
+// floats, `query` d + 32. Slots past the last allowed one are not read. Loads: d's loads a row
+// when the compiler is to know it (unrolled loops, the query in registers), 0 otherwise.
+// next_k, next_v: the keys and values the thread reads next (another kv head), prefetched into
+// L2 alongside the scores; null when there are none.
+template <typename T, int Loads>
 ATTN_AVX512 void attend(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, const bool* allowed,
-                        int64_t allowed_step, float scale, int64_t L, int64_t d, float* query, float* scores, T* out) {
-  const int64_t chunks = d / kLanes;
-  for (int64_t c = 0; c < chunks; ++c)  // scaled once in fp32, as (q * scale) . k
-    _mm512_storeu_ps(query + c * kLanes, _mm512_mul_ps(load16(q + c * kLanes), _mm512_set1_ps(scale)));
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  __m512 peak = _mm512_set1_ps(minus_inf);
-  for (int64_t j = 0; j < L; ++j) {
-    if (!allowed[j * allowed_step]) {
-      scores[j] = minus_inf;
-      continue;
-    }
-    const T* key = k + j * k_step;
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), load16(key));
-    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + c * kLanes), load16(key + c * kLanes), acc);
-    scores[j] = _mm512_reduce_add_ps(acc);
-  }
-  const int64_t full = L - L % kLanes;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (L % kLanes)) - 1);
-  for (int64_t j = 0; j < full; j += kLanes) peak = _mm512_max_ps(peak, _mm512_loadu_ps(scores + j));
-  if (tail) peak = _mm512_mask_max_ps(peak, tail, peak, _mm512_maskz_loadu_ps(tail, scores + full));
-  const float top = _mm512_reduce_max_ps(peak);
-  if (top == minus_inf) {  // nothing allowed: zeros, as the stock kernel gives
+                        int64_t allowed_step, float scale, int64_t L, int64_t d, float* query, float* scores, T* out,
+                        const T* next_k, const T* next_v) {
+  using R = Rows<T>;
+  while (L > 0 && !allowed[(L - 1) * allowed_step]) --L;
+  if (L == 0) {  // nothing allowed: zeros, as the stock kernel gives
     for (int64_t i = 0; i < d; ++i) out[i] = T(0.0f);
     return;
   }
+  const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
+  widen_row(q, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {  // scaled once in fp32: (q * scale) . k
+    _mm512_storeu_ps(query + i * kLanes, _mm512_mul_ps(value, _mm512_set1_ps(scale)));
+  });
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 peak = minus_inf;
+  // The scores of `slots` slots from j0 (16 but for the last block: the branches fold away).
+  auto score = [&](int64_t j0, int64_t slots) __attribute__((always_inline)) ATTN_AVX512 {
+    __m512 dots[kLanes];
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kLanes; ++j) {
+      dots[j] = _mm512_setzero_ps();
+      if (j >= slots) continue;
+      widen_row(k + (j0 + j) * k_step, loads, d, [&](int64_t i, __m512 key) ATTN_AVX512 {
+        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(query + i * kLanes), key, dots[j]);
+      });
+    }
+    // Masked slots become -inf by selection (a slot's NaN does not leak into the softmax).
+    const __m512 block = _mm512_mask_mov_ps(minus_inf, allowed_slots(allowed + j0 * allowed_step, allowed_step, slots),
+                                            sum_each(dots));
+    _mm512_storeu_ps(scores + j0, block);
+    peak = _mm512_max_ps(peak, block);
+    if (next_k != nullptr) {
+      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = j0; j < j0 + slots; ++j)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + j * k_step) + byte, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + j * v_step) + byte, _MM_HINT_T1);
+        }
+    }
+  };
+  const int64_t full = L - L % kLanes;
+  for (int64_t j0 = 0; j0 < full; j0 += kLanes) score(j0, kLanes);
+  if (full < L) score(full, L - full);
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak));  // finite: the last slot is allowed
   __m512 total = _mm512_setzero_ps();
-  const __m512 shift = _mm512_set1_ps(top);
-  for (int64_t j = 0; j < full; j += kLanes) {
-    const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift));
-    _mm512_storeu_ps(scores + j, w);
-    total = _mm512_add_ps(total, w);
-  }
-  if (tail) {
-    const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + full), shift));
-    _mm512_mask_storeu_ps(scores + full, tail, w);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, w));
+  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kLanes, L - j0)) - 1);
+    const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + j0), shift));
+    _mm512_mask_storeu_ps(scores + j0, valid, w);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, w));
   }
   __m512 acc[kMaxHeadDim / kLanes];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     if (scores[j] == 0.0f) continue;  // masked, or too small to count
     const __m512 w = _mm512_set1_ps(scores[j]);
-    const T* value = v + j * v_step;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, load16(value + c * kLanes), acc[c]);
+    widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+      acc[i] = _mm512_fmadd_ps(w, value, acc[i]);
+    });
   }
   const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));  // >= 1: the peak's weight
-  alignas(64) float row[kLanes];
-  for (int64_t c = 0; c < chunks; ++c) {
-    _mm512_store_ps(row, _mm512_div_ps(acc[c], sum));
-    for (int64_t i = 0; i < kLanes; ++i) out[c * kLanes + i] = T(row[i]);  // nearest even for bf16
+  alignas(64) float row[2 * kLanes];
+  for (int64_t c = 0; c < loads; ++c) {
+    unpermute<T>(acc + c * R::kVectors);
+    for (int64_t i = 0; i < R::kVectors; ++i)
+      _mm512_store_ps(row + i * kLanes, _mm512_div_ps(acc[c * R::kVectors + i], sum));
+    for (int64_t i = 0; i < std::min(R::kValues, d - c * R::kValues); ++i) out[c * R::kValues + i] = T(row[i]);  // nearest even for bf16
   }
 }
 
@@ -143,17 +247,25 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const T* v_data = v.data_ptr<T>();
   const bool* m_data = allowed.data_ptr<bool>();
   T* o_data = out.data_ptr<T>();
+  // Heads of 64 and 128 dims (Llama 3.x, Qwen, Mistral, SmolLM2) get loops the compiler unrolls.
+  constexpr int64_t values = Rows<T>::kValues;
+  const auto run = d == 64 ? attend<T, 64 / values> : d == 128 ? attend<T, 128 / values> : attend<T, 0>;
   at::parallel_for(0, B * H, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buffer(d + L);  // the scaled query, then the scores
+    std::vector<float> buffer(d + 2 * kLanes + L + kLanes);  // the scaled query, then the scores
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H, kv = h / group;
       const T* keys = k_data + b * k.stride(0) + kv * k.stride(1);
       const T* values = v_data + b * v.stride(0) + kv * v.stride(1);
+      // The first query head of a group prefetches the next group's keys and values.
+      const bool ahead = h % group == 0 && t + group < t1;
+      const int64_t nb = (t + group) / H, nkv = (t + group) % H / group;
+      const T* next_keys = ahead ? k_data + nb * k.stride(0) + nkv * k.stride(1) : nullptr;
+      const T* next_values = ahead ? v_data + nb * v.stride(0) + nkv * v.stride(1) : nullptr;
       for (int64_t i = 0; i < S; ++i) {
-        attend<T>(q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), keys, values, k.stride(2),
+        run(q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), keys, values, k.stride(2),
                   v.stride(2), m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2),
-                  allowed.stride(3), scale, L, d, buffer.data(), buffer.data() + d,
-                  o_data + ((b * H + h) * S + i) * d);
+                  allowed.stride(3), scale, L, d, buffer.data(), buffer.data() + d + 2 * kLanes,
+                  o_data + ((b * H + h) * S + i) * d, i == 0 ? next_keys : nullptr, i == 0 ? next_values : nullptr);
       }
     }
   });
