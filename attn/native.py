@@ -12,17 +12,24 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   reductions and ``torch.mv`` at one row and 15.5 for oneDNN on packed weights at any of those.
 - ``attn::fp32_linear`` (same file, same loop with FMAs): fp32 products of 1 to
   ``FP32_LINEAR_MAX_ROWS`` rows; ``compile_for_decode`` gives it those past its ``max_rows``
-  (inductor's reductions are as fast below). 16 rows, weights read from memory: 32.3-34.0 ms
-  for the 30 layers against 41.0-42.6 for MKL's ``F.linear``.
+  (inductor's reductions are as fast below). Past 8 rows, two passes of 3 weight rows (rows 0-7,
+  then the rest): 16 rows, weights read from memory, 33.3-34.0 ms for the 30 layers against 44.1
+  for one weight row a pass into all 16 rows (32.3-34.0 against 41.0-42.6 for MKL's ``F.linear``
+  when first measured, on a day of faster reads).
 - ``attn::amx_linear`` (``amx_linear.cpp``): bf16 products of 1 to ``AMX_LINEAR_MAX_ROWS``
   rows with AMX tiles, reading the weight as it is stored. Same shape and machine: 11.6-12.6
   ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
   14.0-14.6 for ``attn::bf16_matvec``; it takes over from ``AMX_FROM_ROWS`` rows.
 - ``attn::decode_attention`` (``decode_attention.cpp``): masked attention of a few queries per
-  row over the cache, fp32, bf16 or fp16, with AVX-512: one (row, query head) a task, a
-  vectorized softmax. One layer of that shape at 16 rows and 192 slots, 2 threads: 111-125 us
-  against 199-263 for inductor's reductions (``attn.fast_decode.decode_attention``) alone, 196
-  against 287 inside a bf16 step.
+  row over the cache, fp32, bf16 or fp16, with AVX-512: one (row, query head) a task, scores 16
+  slots at a time, a vectorized softmax. One layer of that shape at 16 rows and 192 slots, 2
+  threads: 111-125 us against 199-263 for inductor's reductions
+  (``attn.fast_decode.decode_attention``) alone, 196 against 287 inside a bf16 step, for the
+  kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 218-228
+  to 130-153 us (bf16) and from 288-308 to 205-260 (fp32), caches read from memory.
+
+The kernels share ``csrc/simd.h`` (shuffles) and ``csrc/linear_checks.h`` (the products' input
+checks); their hash is one of the build's flags, so an edited header rebuilds the extension.
 
 ``compile_for_decode`` calls them where the CPU has their instructions (``bf16_linear_kernel``:
 AVX512-BF16, AMX; ``decode_attention_available()``: AVX-512) and the extension is built.
@@ -38,6 +45,7 @@ the sums differs, so the last bit of an output can.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import warnings
@@ -75,10 +83,17 @@ AMX_FROM_ROWS = 5
 ``attn::bf16_matvec`` was the faster (8.2-8.6 against 9.7-10.3 ms for the 30 layers at one
 row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 
-_SOURCES = [
-    str(Path(__file__).with_name("csrc") / name)
-    for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp")
-]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [str(_CSRC / name) for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp")]
+_HEADERS = [_CSRC / "linear_checks.h", _CSRC / "simd.h"]
+
+
+def _headers_flag() -> str:
+    """A define naming the headers' contents: torch's builder rebuilds when a source's text or
+    a flag changes, not when an included header does, so the header's hash goes in the flags."""
+    digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
+    return f"-DATTN_HEADERS_SHA256={digest}"
+
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines
 _LIBRARY.define("bf16_matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -183,7 +198,7 @@ def build_native() -> None:
         cpp_extension.load(
             name=_extension_name(),
             sources=_SOURCES,
-            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on torch's threads
+            extra_cflags=["-O3", "-fopenmp", _headers_flag()],  # OpenMP: at::parallel_for runs on torch's threads
             is_python_module=False,
             verbose=False,
         )

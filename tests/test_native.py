@@ -4,7 +4,9 @@ they cannot be built."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,6 +322,26 @@ def _tensors(q_shape, kv_shape, dtype=torch.float32, kv_dtype=None, mask_shape=N
 def test_attention_bad_input_names_the_values(tensors, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.attn.decode_attention(*tensors, 0.25)
+
+
+def test_every_header_the_sources_include_is_hashed_into_the_build():
+    """torch's builder rebuilds when a source or a flag changes: a header missing from
+    ``_HEADERS`` could leave a stale build after an edit."""
+    included = set()
+    for source in attn.native._SOURCES:
+        text = Path(source).read_text()
+        included |= set(re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE))
+    assert included == {header.name for header in attn.native._HEADERS}
+
+
+def test_a_header_edit_changes_the_build_flags(tmp_path, monkeypatch):
+    header = tmp_path / "kernel.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(attn.native, "_HEADERS", [header])
+    before = attn.native._headers_flag()
+    header.write_text("// two\n")
+    assert attn.native._headers_flag() != before
+    assert before.startswith("-DATTN_HEADERS_SHA256=")
 
 
 def test_a_cpu_without_avx512_is_told_so_and_not_offered_the_kernels(monkeypatch):

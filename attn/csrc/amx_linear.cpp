@@ -32,12 +32,13 @@
 #include <torch/library.h>
 #include <unistd.h>
 
+#include "linear_checks.h"
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-// The input checks repeat few_rows_linear.cpp's: a header shared by both would not be seen by torch's
-// extension builder, which rebuilds when a source's text changes, not an included file's.
 #define ATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {
@@ -75,33 +76,6 @@ ATTN_AMX void configure(int64_t outputs) {
   _tile_loadconfig(&config);
 }
 
-// The 16 x 16 transpose of 32-bit values: rows[i] lane j becomes rows[j] lane i. Pairs of rows
-// interleave by 32 bits, then by 64 (lane L of quads[4i + c] is column 4L + c of rows 4i to
-// 4i + 3), then 128-bit lanes trade places twice.
-ATTN_AMX inline void transpose(__m512i (&rows)[16]) {
-  __m512i pairs[16], quads[16];
-  for (int i = 0; i < 8; ++i) {
-    pairs[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
-    pairs[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    quads[4 * i] = _mm512_unpacklo_epi64(pairs[4 * i], pairs[4 * i + 2]);
-    quads[4 * i + 1] = _mm512_unpackhi_epi64(pairs[4 * i], pairs[4 * i + 2]);
-    quads[4 * i + 2] = _mm512_unpacklo_epi64(pairs[4 * i + 1], pairs[4 * i + 3]);
-    quads[4 * i + 3] = _mm512_unpackhi_epi64(pairs[4 * i + 1], pairs[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i even0 = _mm512_shuffle_i32x4(quads[c], quads[4 + c], 0x88);  // lanes 0, 2
-    const __m512i even1 = _mm512_shuffle_i32x4(quads[8 + c], quads[12 + c], 0x88);
-    const __m512i odd0 = _mm512_shuffle_i32x4(quads[c], quads[4 + c], 0xdd);  // lanes 1, 3
-    const __m512i odd1 = _mm512_shuffle_i32x4(quads[8 + c], quads[12 + c], 0xdd);
-    rows[c] = _mm512_shuffle_i32x4(even0, even1, 0x88);
-    rows[8 + c] = _mm512_shuffle_i32x4(even0, even1, 0xdd);
-    rows[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
-    rows[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);
-  }
-}
-
 // x (M, K2 feature pairs) as B tiles, (halves, steps, 16 pairs, 16 rows).
 ATTN_AMX void repack(const uint32_t* x, int64_t M, int64_t K2, int halves, int64_t steps, uint32_t* pairs) {
   for (int half = 0; half < halves; ++half)
@@ -111,7 +85,7 @@ ATTN_AMX void repack(const uint32_t* x, int64_t M, int64_t K2, int halves, int64
         const int64_t m = half * kBlock + i;
         rows[i] = m < M ? _mm512_loadu_si512(x + m * K2 + s * kBlock) : _mm512_setzero_si512();
       }
-      transpose(rows);
+      attn::transpose16(rows);
       uint32_t* tile = pairs + (half * steps + s) * kBlock * kBlock;
       for (int64_t p = 0; p < kBlock; ++p) _mm512_storeu_si512(tile + p * kBlock, rows[p]);
     }
@@ -131,7 +105,7 @@ ATTN_AMX void store(const float (&c)[Halves][kBlock * kBlock], const uint16_t* b
   for (int half = 0; half < Halves; ++half) {
     __m512i rows[kBlock];
     for (int64_t o = 0; o < kBlock; ++o) rows[o] = _mm512_load_si512(c[half] + o * kBlock);
-    transpose(rows);  // rows[m]: row m's 16 outputs
+    attn::transpose16(rows);  // rows[m]: row m's 16 outputs
     for (int64_t i = 0; i < kBlock && half * kBlock + i < M; ++i) {
       const __m512 sums = _mm512_add_ps(_mm512_castsi512_ps(rows[i]), shift);
       _mm256_mask_storeu_epi16(Y + (half * kBlock + i) * N + n, valid, (__m256i)_mm512_cvtneps_pbh(sums));
@@ -204,23 +178,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
               "attn::amx_linear needs a CPU with AMX-BF16");
   TORCH_CHECK(tiles_permitted(), "attn::amx_linear: Linux refused this process AMX's tile state "
               "(arch_prctl ARCH_REQ_XCOMP_PERM); a kernel before 5.16 cannot grant it");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "attn::amx_linear takes bf16 tensors, got x ", x.scalar_type(), " and weight ", weight.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "attn::amx_linear runs on the CPU, got x on ",
-              x.device(), " and weight on ", weight.device());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "attn::amx_linear: weight must be a contiguous (n, k) "
-              "matrix, got sizes ", weight.sizes(), " and strides ", weight.strides());
+  const int64_t M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", kMaxRows, kStep, x, weight, bias);
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K > 0 && K % kStep == 0 && x.dim() >= 1 && x.size(-1) == K, "attn::amx_linear: x must end in the "
-              "weight's ", K, " features, a multiple of ", kStep, "; got x ", x.sizes(), " and weight ", weight.sizes());
-  const int64_t M = x.numel() / K;
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "attn::amx_linear takes 1 to ", kMaxRows, " rows of x, got ", M, " (sizes ",
-              x.sizes(), "): F.linear is the product for more");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N,
-                "attn::amx_linear: bias must be a bf16 (", N, ",) vector, got ", bias->scalar_type(), " ",
-                bias->sizes());
-  }
   const at::Tensor rows = x.contiguous();
   const at::Tensor shift = bias.has_value() ? bias->contiguous() : at::Tensor();
   // x as B tiles: feature pair p of row m (two bf16, one uint32) at (half, step, p, m % 16);

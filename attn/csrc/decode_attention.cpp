@@ -34,6 +34,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -110,23 +112,6 @@ ATTN_AVX512 inline void unpermute(__m512* sums) {
   }
 }
 
-// The 16 sums of 16 vectors' lanes, in their order: pairs, then quads, then the four 128-bit
-// lanes folded (45 instructions where 16 reductions take about 140).
-ATTN_AVX512 inline __attribute__((always_inline)) __m512 sum_each(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)  // lane L: (2i, 2i+1, 2i, 2i+1) partial sums
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // lane L: (4i, 4i+1, 4i+2, 4i+3) partial sums
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
-}
-
 // Which of `count` slots from `allowed` (`step` bools apart) may be attended, as a bit mask.
 ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, int64_t count) {
   const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
@@ -195,7 +180,7 @@ ATTN_AVX512 void attend(const T* q, const T* k, const T* v, int64_t k_step, int6
     }
     // Masked slots become -inf by selection (a slot's NaN does not leak into the softmax).
     const __m512 block = _mm512_mask_mov_ps(minus_inf, allowed_slots(allowed + j0 * allowed_step, allowed_step, slots),
-                                            sum_each(dots));
+                                            attn::sum_each(dots));
     _mm512_storeu_ps(scores + j0, block);
     peak = _mm512_max_ps(peak, block);
     if (next_k != nullptr) {

@@ -5,14 +5,22 @@
 //
 // A decode step at a small batch reads every weight once: it is bound by memory reads. Each
 // pass over a step of features (32 bf16, 16 fp32) loads R weight rows once and multiplies them
-// into all M input rows (M x R accumulators of 16 fp32 lanes, at most 16 of them, so they fit
-// in the registers with the loads), and prefetches the weight rows 16 (bf16) or 8 (fp32)
-// ahead: the same distance in bytes. The 30 layers' products of the SmolLM2-135M shape on 2
-// threads of a Xeon 6/167: bf16 9.0 ms at one row, 10.0 at 2, 11.1 at 4, 14.4 at 8, against 15.5
-// for oneDNN's product on packed weights and 21-22 for F.linear at any of those; fp32 at 16
-// rows, weights read from memory (twice the 480 MiB L3), 32.3-34.0 ms against 41.0-42.6 for
-// F.linear (MKL). Sums are fp32, in another order than other kernels'; a bf16 output is
-// rounded once (nearest even). Built on first use by attn/native.py, which checks the CPU.
+// into M input rows (M x R accumulators of 16 fp32 lanes, at most 24, so they fit in the
+// registers with the loads), prefetching the weight rows ahead; the M x R sums are then folded
+// 16 at a time with one shuffle tree (attn::sum_each). Up to 8 rows one pass takes them all.
+// Past 8 (fp32, 9 to 16 rows) a pass takes rows 0-7 and a second the rest, 3 weight rows at a
+// time read again from L1: 11 loads for 24 products, where one weight row into all 16 rows took
+// 17 for 16 and ran out of load ports before memory ran dry. Each pass prefetches half of the
+// weight rows 6 ahead into L2, so memory is read through both.
+//
+// The 30 layers' products of the SmolLM2-135M shape on 2 threads of a Xeon 6/167: bf16 9.0 ms at
+// one row, 10.0 at 2, 11.1 at 4, 14.4 at 8, against 15.5 for oneDNN's product on packed weights
+// and 21-22 for F.linear at any of those. fp32 at 16 rows, weights read from memory, against
+// one weight row a pass, on a day the read probe gave 20-22 GB/s: the 30 layers 33.3-34.0 ms
+// against 44.1, with the output head 40-42 against 50-52, a whole decode step 55.5 against 66
+// (the same loops in C, with the head: 27.7-30.2 against 37-44). Sums are
+// fp32, in another order than other kernels'; a bf16 output is rounded once (nearest even).
+// Built on first use by attn/native.py, which checks the CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +28,9 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "linear_checks.h"
+#include "simd.h"
 
 #include <array>
 #include <cstdint>
@@ -39,7 +50,7 @@ struct Bf16 {
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
   static constexpr int64_t kMaxRows = 8;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : 2; }
+  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : 2; }  // weight rows a pass
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? (__m512bh)_mm512_maskz_loadu_epi16(tail, p) : (__m512bh)_mm512_loadu_si512(p);
   }
@@ -55,7 +66,7 @@ struct Fp32 {
   static constexpr int64_t kStep = 16;
   static constexpr int64_t kAhead = 8;
   static constexpr int64_t kMaxRows = 16;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 1; }
+  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 3; }  // > 8: two passes
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
   }
@@ -80,31 +91,65 @@ ATTN_AVX512_BF16 inline void pass(__m512 (&acc)[M][R], const typename D::Value* 
   }
 }
 
-// Outputs [n0, n1) of every row, R at a time ((n1 - n0) is a multiple of R).
+// The Count sums of Count accumulators into sums (Count rounded up to 16 floats).
+template <int Count>
+ATTN_AVX512_BF16 inline void sum_all(const __m512* acc, float* sums) {
+  for (int i = 0; i < Count; i += 16) {
+    __m512 block[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) block[j] = i + j < Count ? acc[i + j] : _mm512_setzero_ps();
+    _mm512_storeu_ps(sums + i, attn::sum_each(block));
+  }
+}
+
+// Rows [0, M) of X against R weight rows from w, K in steps: their M x R sums. Of the weight
+// rows at `ahead` (none when null), rows first, first + every, ... < R are prefetched (Hint).
+template <typename D, int M, int R, _mm_hint Hint>
+ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename D::Value* X, int64_t K,
+                                     const typename D::Value* ahead, int first, int every, float* sums) {
+  const int64_t full = K - K % D::kStep;
+  const auto tail = K % D::kStep ? static_cast<typename D::Mask>((1ull << (K % D::kStep)) - 1) : 0;
+  __m512 acc[M][R];
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < full; k += D::kStep) {
+    if (ahead != nullptr) {
+#pragma GCC unroll 4
+      for (int r = first; r < R; r += every) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), Hint);
+    }
+    pass<D, M, R>(acc, w, X, K, k, 0);
+  }
+  if (tail) pass<D, M, R>(acc, w, X, K, full, tail);
+  sum_all<M * R>(&acc[0][0], sums);
+}
+
+// Outputs [n0, n1) of every row, R at a time ((n1 - n0) is a multiple of R). Up to 8 rows, one
+// pass multiplies each weight row into all of them; past 8 (fp32), a pass takes rows 0-7 and a
+// second the rest, the weight rows read again from L1, so that a step loads R weight vectors and
+// 8 of x for 8 R products (0.46 loads a product at R = 3, against 1.06 for one weight row into
+// 16 rows). Each pass prefetches half of the next rows, into L2: memory stays busy in both.
 template <typename D, int M, int R>
 ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Value* X, const typename D::Value* bias,
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t full = K - K % D::kStep;
-  const auto tail = K % D::kStep ? static_cast<typename D::Mask>((1ull << (K % D::kStep)) - 1) : 0;
+  constexpr int kFirst = M > 8 ? 8 : M;  // rows of the first pass
+  constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
+  alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];  // sums[m * R + r]
   for (int64_t n = n0; n < n1; n += R) {
-    __m512 acc[M][R];
-#pragma GCC unroll 16
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
     const typename D::Value* w = W + n * K;
-    for (int64_t k = 0; k < full; k += D::kStep) {
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + D::kAhead) * K + k), _MM_HINT_T0);
-      pass<D, M, R>(acc, w, X, K, k, 0);
+    const typename D::Value* ahead = n + kAhead + R <= N ? w + kAhead * K : nullptr;
+    if constexpr (M > 8) {
+      sums_of<D, kFirst, R, _MM_HINT_T1>(w, X, K, ahead, 0, 2, sums);
+      sums_of<D, M - kFirst, R, _MM_HINT_T1>(w, X + kFirst * K, K, ahead, 1, 2, sums + kFirst * R);
+    } else {
+      sums_of<D, M, R, _MM_HINT_T0>(w, X, K, ahead, 0, 1, sums);
     }
-    if (tail) pass<D, M, R>(acc, w, X, K, full, tail);
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        float sum = _mm512_reduce_add_ps(acc[m][r]);
+        float sum = sums[m * R + r];
         if (bias != nullptr) sum += D::widen(bias[n + r]);
         Y[m * N + n + r] = D::narrow(sum);
       }
@@ -131,28 +176,6 @@ constexpr std::array<Product, sizeof...(I)> products(std::index_sequence<I...>) 
   return {product<D, static_cast<int>(I) + 1>...};
 }
 
-// Checks shared by both operators; returns M, the rows of x.
-int64_t check(const char* name, at::ScalarType dtype, const char* dtype_name, int64_t max_rows, const at::Tensor& x,
-              const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == dtype && weight.scalar_type() == dtype, name, " takes ", dtype_name,
-              " tensors, got x ", x.scalar_type(), " and weight ", weight.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), name, " runs on the CPU, got x on ", x.device(),
-              " and weight on ", weight.device());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), name, ": weight must be a contiguous (n, k) matrix, got "
-              "sizes ", weight.sizes(), " and strides ", weight.strides());
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K > 0 && x.dim() >= 1 && x.size(-1) == K, name, ": x must end in the weight's ", K,
-              " features, got sizes ", x.sizes());
-  const int64_t M = x.numel() / K;
-  TORCH_CHECK(M >= 1 && M <= max_rows, name, " takes 1 to ", max_rows, " rows of x, got ", M, " (sizes ", x.sizes(),
-              "): F.linear is the product for more");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == N, name, ": bias must be a ",
-                dtype_name, " (", N, ",) vector, got ", bias->scalar_type(), " ", bias->sizes());
-  }
-  return M;
-}
-
 template <typename D>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t M) {
   static constexpr auto kProducts = products<D>(std::make_index_sequence<D::kMaxRows>());
@@ -168,14 +191,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 
 at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::bf16_matvec needs a CPU with AVX512-BF16");
-  const int64_t M = check("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, x, weight, bias);
+  const int64_t M = attn::check_linear("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, 1, x, weight, bias);
   return linear<Bf16>(x, weight, bias, M);
 }
 
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   // Built with the bf16 kernel's instruction set (one template for both): the same CPUs.
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
-  const int64_t M = check("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, x, weight, bias);
+  const int64_t M = attn::check_linear("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, 1, x, weight, bias);
   return linear<Fp32>(x, weight, bias, M);
 }
 
