@@ -101,7 +101,9 @@ def _sample(
     """Picks one token per row from (b, v) logits; returns ``(tokens, logprobs)``, each (b,)."""
     logits = logits.float()
     if temperature == 0.0:
-        tokens = logits.argmax(-1)  # (b,)
+        # max's indices: the first largest, as argmax's (NaN the largest in both), in a third of
+        # the time on a CPU (16 rows of 49,152: 186 against 584 us, 2 threads)
+        tokens = logits.max(-1).indices  # (b,)
     else:
         logits = logits / temperature
         if top_k is not None:

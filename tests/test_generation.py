@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import attn
 from attn import generate, padded_causal_mask
-from attn.generation import _draw
+from attn.generation import _draw, _sample
 from attn.policy import CachePolicy
 
 from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
@@ -233,6 +233,29 @@ def test_on_tokens_sees_the_tokens_of_the_output_in_order(monkeypatch: pytest.Mo
     without, counter.count = counter.count, 0
     generate(model, prompts, max_new_tokens=8, stop_tokens=stops, on_tokens=seen.append)
     assert counter.count == without
+
+
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 300),
+    levels=st.integers(1, 4),  # few distinct values: ties everywhere
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_greedy_picks_argmax_token_ties_and_nans_included(rows, vocab, levels, specials, dtype, seed):
+    """Greedy sampling takes max's indices for speed: the token is argmax's (the first of tied
+    largest logits, a NaN before all), and its logprob is log_softmax's at that token."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).to(dtype)
+    for i, special in enumerate(specials):
+        logits[i % rows, int(torch.randint(0, vocab, (1,), generator=gen))] = float(special)
+    tokens, logprobs = _sample(logits, 0.0, None, None)
+    expected = logits.float().argmax(-1)
+    assert torch.equal(tokens, expected)
+    reference = logits.float().log_softmax(-1).gather(-1, expected[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, reference, rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------- num_samples

@@ -147,8 +147,9 @@ ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // One query: out[0, d) = softmax(scale q . k_j over allowed j) . v_j. `scores` holds L + 16
-// floats, `query` d + 32. Slots past the last allowed one are not read. Loads: d's loads a row
-// when the compiler is to know it (unrolled loops, the query in registers), 0 otherwise.
+// floats, `query` d + 32. Slots past the last allowed one are not read. Loads: the loads a row
+// takes (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query
+// in registers), or 0 to count them at run time.
 // next_k, next_v: the keys and values the thread reads next (another kv head), prefetched into
 // L2 alongside the scores; null when there are none.
 template <typename T, int Loads>
@@ -218,7 +219,8 @@ ATTN_AVX512 void attend(const T* q, const T* k, const T* v, int64_t k_step, int6
     unpermute<T>(acc + c * R::kVectors);
     for (int64_t i = 0; i < R::kVectors; ++i)
       _mm512_store_ps(row + i * kLanes, _mm512_div_ps(acc[c * R::kVectors + i], sum));
-    for (int64_t i = 0; i < std::min(R::kValues, d - c * R::kValues); ++i) out[c * R::kValues + i] = T(row[i]);  // nearest even for bf16
+    const int64_t count = std::min(R::kValues, d - c * R::kValues);
+    for (int64_t i = 0; i < count; ++i) out[c * R::kValues + i] = T(row[i]);  // nearest even for bf16
   }
 }
 
@@ -233,8 +235,8 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const bool* m_data = allowed.data_ptr<bool>();
   T* o_data = out.data_ptr<T>();
   // Heads of 64 and 128 dims (Llama 3.x, Qwen, Mistral, SmolLM2) get loops the compiler unrolls.
-  constexpr int64_t values = Rows<T>::kValues;
-  const auto run = d == 64 ? attend<T, 64 / values> : d == 128 ? attend<T, 128 / values> : attend<T, 0>;
+  constexpr int64_t per_load = Rows<T>::kValues;
+  const auto run = d == 64 ? attend<T, 64 / per_load> : d == 128 ? attend<T, 128 / per_load> : attend<T, 0>;
   at::parallel_for(0, B * H, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buffer(d + 2 * kLanes + L + kLanes);  // the scaled query, then the scores
     for (int64_t t = t0; t < t1; ++t) {
@@ -247,10 +249,10 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
       const T* next_keys = ahead ? k_data + nb * k.stride(0) + nkv * k.stride(1) : nullptr;
       const T* next_values = ahead ? v_data + nb * v.stride(0) + nkv * v.stride(1) : nullptr;
       for (int64_t i = 0; i < S; ++i) {
-        run(q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), keys, values, k.stride(2),
-                  v.stride(2), m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2),
-                  allowed.stride(3), scale, L, d, buffer.data(), buffer.data() + d + 2 * kLanes,
-                  o_data + ((b * H + h) * S + i) * d, i == 0 ? next_keys : nullptr, i == 0 ? next_values : nullptr);
+        run(q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), keys, values, k.stride(2), v.stride(2),
+            m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2), allowed.stride(3), scale,
+            L, d, buffer.data(), buffer.data() + d + 2 * kLanes, o_data + ((b * H + h) * S + i) * d,
+            i == 0 ? next_keys : nullptr, i == 0 ? next_values : nullptr);
       }
     }
   });
