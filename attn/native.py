@@ -13,9 +13,9 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
 - ``attn::fp32_linear`` (same file, same loop with FMAs): fp32 products of 1 to
   ``FP32_LINEAR_MAX_ROWS`` rows; ``compile_for_decode`` gives it those past its ``max_rows``
   (inductor's reductions are as fast below). Past 8 rows, two passes of 3 weight rows (rows 0-7,
-  then the rest): 16 rows, weights read from memory, 33.3-34.0 ms for the 30 layers against 44.1
-  for one weight row a pass into all 16 rows (32.3-34.0 against 41.0-42.6 for MKL's ``F.linear``
-  when first measured, on a day of faster reads).
+  then the rest): 16 rows, the 30 layers and the head, weights read from memory, 32.5 ms (best
+  of 6) against 41.4 for one weight row a pass into all 16 rows, which had been 32.3-34.0 ms for
+  the 30 layers against 41.0-42.6 for MKL's ``F.linear`` on an hour of faster reads.
 - ``attn::amx_linear`` (``amx_linear.cpp``): bf16 products of 1 to ``AMX_LINEAR_MAX_ROWS``
   rows with AMX tiles, reading the weight as it is stored. Same shape and machine: 11.6-12.6
   ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
@@ -25,8 +25,8 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   slots at a time, a vectorized softmax. One layer of that shape at 16 rows and 192 slots, 2
   threads: 111-125 us against 199-263 for inductor's reductions
   (``attn.fast_decode.decode_attention``) alone, 196 against 287 inside a bf16 step, for the
-  kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 218-228
-  to 130-153 us (bf16) and from 288-308 to 205-260 (fp32), caches read from memory.
+  kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 170 to
+  108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8.
 
 The kernels share ``csrc/simd.h`` (shuffles) and ``csrc/linear_checks.h`` (the products' input
 checks); their hash is one of the build's flags, so an edited header rebuilds the extension.
@@ -90,7 +90,7 @@ _HEADERS = [_CSRC / "linear_checks.h", _CSRC / "simd.h"]
 
 def _headers_flag() -> str:
     """A define naming the headers' contents: torch's builder rebuilds when a source's text or
-    a flag changes, not when an included header does, so the header's hash goes in the flags."""
+    a flag changes, not when an included header does, so the headers' hash goes in the flags."""
     digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
     return f"-DATTN_HEADERS_SHA256={digest}"
 

@@ -223,14 +223,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     spare=st.integers(0, 5),  # k and v as views of a cache with more slots
     head_dim=st.sampled_from([16, 32, 48, 64, 128]),  # 64 and 128: unrolled loops; bf16 48: a half load
     dtype=st.sampled_from(sorted(_DTYPES)),
-    mask_rank=st.sampled_from([2, 4]),
+    mask_form=st.sampled_from(["(s, L)", "(b, 1, s, L)", "(b, 1, s, 1)", "every other of 2L"]),
     scale=st.sampled_from([None, 0.3]),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=80, deadline=None)
 def test_attention_equals_a_float64_loop(
-    batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_rank, scale, threads, seed
+    batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_form, scale, threads, seed
 ):
     """fp32 scores, softmax and sums, rounded once to the dtype: within rounding of the exact
     attention of the same (rounded) inputs; a query that may attend nothing gets zeros."""
@@ -238,8 +238,15 @@ def test_attention_equals_a_float64_loop(
     heads, kind = kv_heads * group, _DTYPES[dtype]
     q = torch.randn(batch, heads, queries, head_dim, generator=gen).to(kind)
     k, v = (torch.randn(batch, kv_heads, length + spare, head_dim, generator=gen).to(kind)[:, :, :length] for _ in "kv")
-    shape = (queries, length) if mask_rank == 2 else (batch, 1, queries, length)
-    mask = torch.rand(shape, generator=gen) < 0.7  # some rows may allow nothing
+    # Slots 1 apart, 0 apart (one bool for every slot of a query), 2 apart (a strided view).
+    shapes = {
+        "(s, L)": (queries, length),
+        "(b, 1, s, L)": (batch, 1, queries, length),
+        "(b, 1, s, 1)": (batch, 1, queries, 1),
+        "every other of 2L": (batch, 1, queries, 2 * length),
+    }
+    mask = torch.rand(shapes[mask_form], generator=gen) < 0.7  # some rows may allow nothing
+    mask = mask[..., ::2] if mask_form == "every other of 2L" else mask
     torch.set_num_threads(threads)
     got = torch.ops.attn.decode_attention(q, k, v, mask, head_dim**-0.5 if scale is None else scale)
     assert got.shape == q.shape and got.dtype == kind and got.is_contiguous()

@@ -19,11 +19,12 @@
 // next kv head's rows into L2. A query whose mask is all False gets zeros, like the stock kernel.
 // Sums are fp32 in another order than other kernels'. One layer of the 16-row shape (160 of 192
 // slots allowed), 2 threads of a Xeon 6/167, against this kernel's first version (a reduction a
-// slot, every slot read): bf16 130-153 us with 30 layers' caches read from memory against
-// 218-228, 77 against 106 with one layer's in cache (best of 400); fp32 205-260 against 288-308,
-// 100-104 against 107-108. A variant that ran each (row, kv head) as a task, loading each key and value row once for up to
-// 4 of its group's queries, was no faster in the step (206 against 196 us a layer in bf16, 299
-// against 265-270 in fp32, with one reduction a slot), so it was not kept.
+// slot, every slot read), both built in one process and run in turn: with 30 layers' caches read
+// from memory, best / median of 8 rounds, bf16 108 / 132 us against 170 / 196 and fp32 220 / 269
+// against 262 / 333; with one layer's in cache (best of 400) bf16 77 against 106, fp32 100-104
+// against 107-108. A variant that ran each (row, kv head) as a task, loading each key and value
+// row once for up to 4 of its group's queries, was no faster in the step (206 against 196 us a
+// layer in bf16, 299 against 265-270 in fp32, with one reduction a slot), so it was not kept.
 // Built on first use by attn/native.py, which checks the CPU has AVX-512 (F, BW, VL).
 
 #include <ATen/Parallel.h>

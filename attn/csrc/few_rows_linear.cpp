@@ -15,11 +15,11 @@
 //
 // The 30 layers' products of the SmolLM2-135M shape on 2 threads of a Xeon 6/167: bf16 9.0 ms at
 // one row, 10.0 at 2, 11.1 at 4, 14.4 at 8, against 15.5 for oneDNN's product on packed weights
-// and 21-22 for F.linear at any of those. fp32 at 16 rows, weights read from memory, against
-// one weight row a pass, on a day the read probe gave 20-22 GB/s: the 30 layers 33.3-34.0 ms
-// against 44.1, with the output head 40-42 against 50-52, a whole decode step 55.5 against 66
-// (the same loops in C, with the head: 27.7-30.2 against 37-44). Sums are
-// fp32, in another order than other kernels'; a bf16 output is rounded once (nearest even).
+// and 21-22 for F.linear at any of those. fp32 at 16 rows, the 30 layers and the head (weights
+// read from memory), against one weight row a pass, both built in one process and run in turn,
+// best / median of 6 rounds: 32.5 / 43.0 ms against 41.4 / 51.8 (the same loops in C: 27.7-30.2
+// against 37-44). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
+// once (nearest even).
 // Built on first use by attn/native.py, which checks the CPU.
 
 #include <ATen/Parallel.h>
@@ -135,7 +135,8 @@ ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Valu
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int kFirst = M > 8 ? 8 : M;  // rows of the first pass
   constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
-  alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];  // sums[m * R + r]
+  // sums[m * R + r]; 16 spare: a second pass's sums start at 8 R and are rounded up to 16 alone
+  alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];
   for (int64_t n = n0; n < n1; n += R) {
     const typename D::Value* w = W + n * K;
     const typename D::Value* ahead = n + kAhead + R <= N ? w + kAhead * K : nullptr;
