@@ -73,7 +73,7 @@ BF16_MATVEC_MAX_ROWS = 8
 product on packed weights, with AMX, was the faster: 15.8 against 25.3 ms for the 30 layers."""
 
 FP32_LINEAR_MAX_ROWS = 16
-"""Most rows of x ``attn::fp32_linear`` takes (16 accumulators of one weight row a pass)."""
+"""Most rows of x ``attn::fp32_linear`` takes (past 8, two passes: rows 0-7, then the rest)."""
 
 AMX_LINEAR_MAX_ROWS = 32
 """Most rows of x ``attn::amx_linear`` takes (two tiles of 16)."""

@@ -38,7 +38,6 @@
 #include "simd.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
