@@ -23,6 +23,7 @@ from torch import nn
 from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
+from attn.native import amx_from_rows, decode_layer_available, native_product
 from attn.norm import RMSNorm
 from attn.packed import Linear, linear, packed_decode_available, packed_linears, plain_onednn_faster
 from attn.parity import ParityKernels
@@ -33,6 +34,8 @@ from attn.rope import RopeScaling, RotaryEmbedding
 from attn.threads import check_holder
 
 __all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # not a DTensor, not another subclass
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The MLP gates ``DecoderConfig.activation`` names: SiLU (SwiGLU), tanh-approximated GELU (GeGLU)."""
@@ -205,6 +208,66 @@ class DecoderLayer(nn.Module):
         """``x`` (b, s, e) -> (b, s, e), computed as ``plan`` says (``attn.plan``)."""
         return self.add_mlp(self.add_attention(x, self.attn.compute(self.attn_norm(x), plan)))
 
+    def native_step(self, x: torch.Tensor, plan: PassPlan, rotation: torch.Tensor) -> torch.Tensor:
+        """``forward`` of a decode step as one ``attn::decode_layer`` call: ``x`` (b, 1, e) ->
+        (b, 1, e), this layer's key and value written at ``plan.slots``; ``rotation`` is the
+        plan's, contiguous. Only for a plan whose linears are ``"native"``
+        (``TransformerDecoder.native_layers`` said the layer takes it)."""
+        parts = self.native_parts()
+        if parts is None or plan.slots is None or plan.mask is None:
+            raise RuntimeError("native_step: this layer or pass is not one attn::decode_layer computes")
+        weights, biases, eps = parts
+        attention = self._modules["attn"]
+        cache = attention.kv_cache
+        scale = attention.head_dim**-0.5 if attention.scale is None else attention.scale
+        return torch.ops.attn.decode_layer(
+            x,
+            weights,
+            biases,
+            cache.k_cache,
+            cache.v_cache,
+            plan.slots,
+            plan.mask,
+            rotation,
+            eps,
+            scale,
+            amx_from_rows(),
+        )
+
+    def native_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], float] | None:
+        """The weights (norm, q, k, v, o, norm, gate, up, down), biases (q, k, v, o) and norm
+        epsilon ``attn::decode_layer`` takes for this layer; ``None`` where the layer is not the
+        plain one it computes: a hook on one of its modules (FSDP2's), a projection that is not
+        attn's ``Linear`` (peft's LoRA layers), a weight that is not a plain contiguous tensor (a
+        DTensor), norms of two epsilons, a biased MLP. Read from the modules' own dicts: every
+        decode step asks (about 4 us a layer)."""
+        attention, mlp = self._modules["attn"], self._modules["mlp"]
+        inner, outer = attention._modules, mlp._modules
+        projections = (
+            inner["q_proj"], inner["k_proj"], inner["v_proj"], inner["o_proj"],
+            outer["gate_proj"], outer["up_proj"], outer["down_proj"],
+        )  # fmt: skip
+        norms = (self._modules["attn_norm"], self._modules["mlp_norm"])
+        for module in (self, attention, mlp, *norms, *projections):
+            if module._forward_hooks or module._forward_pre_hooks:
+                return None
+        for projection in projections:
+            if type(projection) is not Linear:
+                return None
+        if type(norms[0]) is not RMSNorm or type(norms[1]) is not RMSNorm or norms[0].eps != norms[1].eps:
+            return None
+        weights = [norms[0]._parameters["weight"]]
+        weights += [p._parameters["weight"] for p in projections[:4]]
+        weights.append(norms[1]._parameters["weight"])
+        weights += [p._parameters["weight"] for p in projections[4:]]
+        for weight in weights:
+            if type(weight) not in _PLAIN_TENSORS or not weight.is_contiguous():
+                return None
+        biases = [p._parameters["bias"] for p in projections]
+        if biases[4] is not None or biases[5] is not None or biases[6] is not None:
+            return None
+        return weights, biases[:4], norms[0].eps
+
     def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream ``x`` (b, s, e) plus the attention's output (b, s, e)."""
         return x + (attended if self.attn_out_norm is None else self.attn_out_norm(attended))
@@ -254,6 +317,16 @@ class TransformerDecoder(nn.Module):
         self._plan_local = (config.sliding_window, windowed_rope) if local else None
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else Linear(config.embed_dim, config.vocab_size, bias=False)
+        # The layers attn::decode_layer computes: Llama's (Qwen2's biases and Mistral's windows
+        # too), none of Gemma's or Qwen3's options; widths its vectors take whole.
+        self._native_config = (
+            not (config.qk_norm or config.sandwich_norms or config.unit_offset_norms or config.attn_softcap)
+            and config.activation == "silu"
+            and config.head_dim % 16 == 0
+            and config.head_dim <= 512
+            and config.embed_dim % 16 == 0
+            and config.hidden_dim % 16 == 0
+        )
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
         self.packed_decode = False  # packed decode (attn.packed): set it with attn.set_packed_decode
 
@@ -504,6 +577,7 @@ class TransformerDecoder(nn.Module):
             linears = "exact" if self.parity else "default"
         if linears == "exact":
             return ParityKernels()
+        # "native": the layers are attn::decode_layer calls (_logits); the output layer's product is attn's.
         return contextlib.nullcontext() if linears == "default" else packed_linears(linears)
 
     def linear_kernels(self, use_cache: bool, num_tokens: int, batch_size: int) -> Linears:
@@ -520,10 +594,33 @@ class TransformerDecoder(nn.Module):
             kernels: Linears = "packed"
         else:
             kernels = self._plain_weight_kernels(batch_size)
-        if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling() or not packed_decode_available():
+        if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling():
+            return "default"
+        if kernels != "packed" and self.native_layers(batch_size):
+            return "native"
+        if not packed_decode_available():
             return "default"
         # The vendor only here, past the compile check: a traced step cannot read /proc/cpuinfo.
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
+
+    def native_layers(self, batch_size: int) -> bool:
+        """Does an eager decode step of ``batch_size`` rows run each layer as one call to
+        ``attn::decode_layer`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
+        AVX512-BF16 and the kernels build (the first call builds them, ``attn.native``), for a
+        CPU bf16 or fp32 model with caches of its dtype, layers it takes (``DecoderLayer.native_parts``)
+        and rows its products take (``attn.native.native_product``: up to 32 in bf16 with AMX,
+        8 without, 16 in fp32)."""
+        weight = self.tok_embeddings.weight
+        caches = self.cache_state.caches
+        if not (
+            self._native_config and weight.device.type == "cpu" and caches and caches[0].k_cache.dtype == weight.dtype
+        ):
+            return False
+        config = self.config
+        widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
+        if any(native_product(batch_size, width, weight.dtype) is None for width in widths):
+            return False
+        return decode_layer_available() and all(layer.native_parts() is not None for layer in self.layers)
 
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
         """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
@@ -545,8 +642,13 @@ class TransformerDecoder(nn.Module):
     def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
         local = plan.local or plan
         h = self.embed(tokens)  # (b, s, e)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, local if self.local_layers[i] else plan)
+        if plan.linears == "native":
+            rotations = plan.rotation.contiguous(), local.rotation.contiguous()
+            for i, layer in enumerate(self.layers):
+                h = layer.native_step(h, *((local, rotations[1]) if self.local_layers[i] else (plan, rotations[0])))
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, local if self.local_layers[i] else plan)
         if last_only:
             h = h[:, -1:]  # (b, 1, e)
         return self.head(h)

@@ -284,6 +284,9 @@ class DecodeCompileStats:
     attention_native: int = 0
     """Of the rewritten attention calls, those that call ``attn::decode_attention`` (a CPU with
     AVX-512, head dims a multiple of 16: ``attn.native``)."""
+    native_steps: int = 0
+    """Cached steps that ran the model's eager step, each layer one ``attn::decode_layer``
+    call, instead of a compiled graph (``compile_for_decode(native_layers=True)``)."""
     compile_seconds: float = 0.0
     """Wall time spent in inductor, over all graphs."""
     vector_bits: int | None = None
@@ -534,6 +537,7 @@ class DecodeCompiled(nn.Module):
         rewrite: bool = True,
         vector_bits: int | None = None,
         native: bool | None = None,
+        native_layers: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -541,6 +545,7 @@ class DecodeCompiled(nn.Module):
         self.rewrite = rewrite
         self.vector_bits = vector_bits
         self.native = native
+        self.native_layers = native_layers
         self.stats = DecodeCompileStats()
         self._first_cache_lengths: tuple[int, int] | None = None  # the first cached step's (L, attended slots)
         self._marked_buffer: weakref.ref[torch.Tensor] | None = None  # the first cache's, once marked dynamic
@@ -600,6 +605,12 @@ class DecodeCompiled(nn.Module):
             return False
         return self.native or decode_attention_available()  # True: compile_for_decode built them already
 
+    def _runs_native_layers(self, batch_size: int) -> bool:
+        """Does a cached step of ``batch_size`` rows run the model's eager step, each layer one
+        ``attn::decode_layer`` call (``TransformerDecoder.native_layers``), rather than compile?
+        Unless ``native_layers`` or ``native`` is False."""
+        return self.native_layers and self.native is not False and self.rewrite and self.model.native_layers(batch_size)
+
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on (the buffers' L, or the slots a mask covers), every
         cached step runs with the lengths marked dynamic: the buffers when they are new
@@ -648,6 +659,9 @@ class DecodeCompiled(nn.Module):
         self.model.check_tokens(tokens)  # the eager error, not one from inside the step
         if use_cache is None:
             use_cache = self.model.uses_cache(1)
+        if use_cache and self._runs_native_layers(tokens.shape[0]):
+            self.stats.native_steps += 1
+            return self.model(tokens, use_cache=True, **kwargs)  # the eager step: its own checks, its own plan
         if use_cache and not state.prechecked:  # before anything is written
             span = self.model.check_cache_capacity(tokens.shape[0], 1, kwargs.get("mask"))
             if kwargs.get("mask") is None:  # the eager model's default, over the span it read: not every slot
@@ -672,6 +686,7 @@ def compile_for_decode(
     rewrite_linears: bool = True,
     vector_bits: int | None = None,
     native: bool | None = None,
+    native_layers: bool = True,
 ) -> DecodeCompiled:
     """Compiles ``model``'s decode step (one token per row) for CPU inference.
 
@@ -702,6 +717,11 @@ def compile_for_decode(
             the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and
             the build succeeds (else one warning and inductor's code), ``True`` to require
             the build (its error if not), ``False`` for inductor's code.
+        native_layers: cached steps the model's eager step runs as one ``attn::decode_layer``
+            call a layer (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, a
+            Llama-style model, rows its products take) run so, and compile nothing: that step
+            was faster than the compiled one (``docs/performance.md``). ``False`` compiles
+            every step (as ``native=False`` and ``rewrite_linears=False`` do).
 
     Returns:
         A ``DecodeCompiled`` to pass to ``attn.generate`` in place of the model.
@@ -717,6 +737,8 @@ def compile_for_decode(
         raise ValueError(f"vector_bits must be None, 128, 256 or 512, got {vector_bits!r}")
     if not (native is None or isinstance(native, bool)):
         raise ValueError(f"native must be None, True or False, got {native!r}")
+    if not isinstance(native_layers, bool):
+        raise ValueError(f"native_layers must be True or False, got {native_layers!r}")
     if native and not rewrite_linears:
         raise ValueError(
             "native=True rewrites linears and attention, which rewrite_linears=False turns off: drop one of them"
@@ -726,7 +748,14 @@ def compile_for_decode(
     _refuse_parity_mode(model)
     if native:  # asked for: fails here, before anything is compiled, where it cannot run
         build_native()
-    return DecodeCompiled(model, max_rows=max_rows, rewrite=rewrite_linears, vector_bits=vector_bits, native=native)
+    return DecodeCompiled(
+        model,
+        max_rows=max_rows,
+        rewrite=rewrite_linears,
+        vector_bits=vector_bits,
+        native=native,
+        native_layers=native_layers,
+    )
 
 
 def _refuse_parity_mode(model: nn.Module) -> None:

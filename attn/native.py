@@ -64,8 +64,11 @@ __all__ = [
     "bf16_matvec_available",
     "build_native",
     "decode_attention_available",
+    "decode_layer_available",
     "fp32_linear_available",
+    "amx_from_rows",
     "native_head_dim",
+    "native_product",
 ]
 
 BF16_MATVEC_MAX_ROWS = 8
@@ -84,8 +87,10 @@ AMX_FROM_ROWS = 5
 row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [str(_CSRC / name) for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp")]
-_HEADERS = [_CSRC / "linear_checks.h", _CSRC / "simd.h"]
+_SOURCES = [
+    str(_CSRC / name) for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp", "decode_layer.cpp")
+]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
 
 
 def _headers_flag() -> str:
@@ -100,6 +105,10 @@ _LIBRARY.define("bf16_matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale) -> Tensor")
+_LIBRARY.define(
+    "decode_layer(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows) -> Tensor"
+)
 
 _built = False
 
@@ -120,7 +129,7 @@ def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
     return call
 
 
-for _name in ("bf16_matvec", "fp32_linear", "amx_linear", "decode_attention"):
+for _name in ("bf16_matvec", "fp32_linear", "amx_linear", "decode_attention", "decode_layer"):
     _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
 
 
@@ -144,17 +153,25 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor
     return q.new_empty(q.shape)  # (b, h, s, d), contiguous
 
 
+@torch.library.register_fake("attn::decode_layer")
+def _(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return x.new_empty(x.shape)  # (b, 1, e)
+
+
+@functools.cache
 def _has_avx512() -> bool:
     """AVX-512 F, BW, VL and DQ: what ATen's AVX-512 kernels need, and a superset of ours."""
     probe = getattr(torch.cpu, "_is_avx512_supported", None)
     return probe is not None and bool(probe())
 
 
+@functools.cache
 def _has_avx512_bf16() -> bool:
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return probe is not None and bool(probe())
 
 
+@functools.cache
 def _has_amx() -> bool:
     """AMX tiles, and AVX512-BF16, which the AMX kernel rounds its outputs with."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -275,3 +292,28 @@ def decode_attention_available() -> bool:
     """Can ``attn::decode_attention`` run here? A CPU with AVX-512, and the extension built
     (on the first call; a failed build warns once and answers no)."""
     return _built_here()
+
+
+def decode_layer_available() -> bool:
+    """Can ``attn::decode_layer`` run here? A CPU with AVX512-BF16 (its products need it), and
+    the extension built (on the first call; a failed build warns once and answers no)."""
+    return bf16_matvec_available()
+
+
+def native_product(rows: int, features: int, dtype: torch.dtype) -> torch._ops.OpOverload | None:
+    """The native kernel for a linear of ``rows`` input rows of ``features`` in ``dtype`` here:
+    bf16 as ``bf16_linear_kernel`` says, fp32 ``attn::fp32_linear`` up to ``FP32_LINEAR_MAX_ROWS``
+    rows; ``None`` where none takes it."""
+    if dtype == torch.bfloat16:
+        return bf16_linear_kernel(rows, features)
+    if dtype == torch.float32 and 1 <= rows <= FP32_LINEAR_MAX_ROWS and fp32_linear_available():
+        return torch.ops.attn.fp32_linear.default
+    return None
+
+
+@functools.cache
+def amx_from_rows() -> int:
+    """What ``attn::decode_layer`` is told of AMX: bf16 products take it from ``AMX_FROM_ROWS``
+    rows (features a multiple of 32) where it runs here, as ``bf16_linear_kernel`` chooses; 0:
+    never."""
+    return AMX_FROM_ROWS if amx_linear_available() else 0

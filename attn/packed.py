@@ -50,9 +50,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["Linear", "linear", "packed_decode_available", "packed_linear", "packed_linears", "set_packed_decode"]
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
-PackedKind = Literal["packed", "onednn", "matvec"]
-"""The products ``packed_linears`` runs: on packed copies, on fp32 weights as they are, or
-one-row bf16 products as matrix-vector products on the weights as they are."""
+PackedKind = Literal["packed", "onednn", "matvec", "native"]
+"""The products ``packed_linears`` runs: on packed copies, on fp32 weights as they are,
+one-row bf16 products as matrix-vector products on the weights as they are, or attn's own
+few-row kernels on the weights as they are (``attn.native.native_product``)."""
 
 # weight -> ((its version, its storage), the packed copy), by identity; an entry goes when its weight does.
 _PACKS = WeakIdKeyDictionary()
@@ -157,6 +158,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if kind == "matvec" and weight.dtype == torch.bfloat16 and x.shape[:-1].numel() == 1 and _packable(x, weight, bias):
         return _matvec(x, weight, bias)
+    if kind == "native" and _packable(x, weight, bias) and weight.is_contiguous():
+        from attn.native import native_product  # attn.native adds to the operator library defined here
+
+        kernel = native_product(x.shape[:-1].numel(), weight.shape[1], weight.dtype)
+        if kernel is not None:
+            return kernel(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -217,7 +224,8 @@ def packed_linears(kind: PackedKind = "packed") -> Iterator[None]:
     """This thread's ``attn.packed.linear`` calls run oneDNN's product for the block: on packed
     weights (``"packed"``), on fp32 weights as they are (``"onednn"``: no copy; at 16 rows
     1.8x MKL's kernel on the AMD EPYC kind, ``docs/performance.md``), or, for bf16 inputs of
-    one row, its matrix-vector product on the weights as they are (``"matvec"``).
+    one row, its matrix-vector product on the weights as they are (``"matvec"``), or attn's
+    own few-row kernels where they take the product (``"native"``: ``attn.native``).
 
     Raises:
         ValueError: ``kind`` is none of these.

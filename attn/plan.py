@@ -31,12 +31,14 @@ Kernel = Literal["sdpa", "softcap", "exact"]
 soft-capped before the softmax (Gemma 2: ``attn.attention.softcapped_attention``); ``exact``,
 parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
 
-Linears = Literal["default", "onednn", "packed", "matvec", "exact"]
+Linears = Literal["default", "onednn", "packed", "matvec", "native", "exact"]
 """How a pass computes its linears and activations: ``default``, torch's kernels; ``onednn``,
 oneDNN's product on fp32 weights as they are (eager decode steps on AMD CPUs); ``packed``, on weights
 pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``matvec``,
-matrix-vector products (eager bf16 decode steps of one row on the CPU); ``exact``, parity
-mode's (``attn.parity.ParityKernels``)."""
+matrix-vector products (eager bf16 decode steps of one row on the CPU); ``native``, each
+decoder layer in one call to ``attn::decode_layer`` and the output layer by attn's few-row
+products (eager decode steps on a CPU with AVX512-BF16, of models whose layers it takes:
+``TransformerDecoder.native_layers``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
 
 
 class PassPlan(NamedTuple):

@@ -9,8 +9,19 @@ from hypothesis import strategies as st
 
 import attn
 from attn import DecoderConfig, TransformerDecoder, padded_causal_mask, padding_positions
+from attn.decoder import DecoderLayer
+from attn.native import native_product
+from attn.packed import Linear
 
-from .conftest import GEMMA_OPTIONS, HostSyncCounter, assert_cache_unchanged, cache_state, tiny_config, tiny_model
+from .conftest import (
+    GEMMA_OPTIONS,
+    HostSyncCounter,
+    assert_cache_unchanged,
+    cache_state,
+    needs_bf16_matvec,
+    tiny_config,
+    tiny_model,
+)
 from .reference import reference_decoder
 
 
@@ -560,3 +571,151 @@ def test_first_kv_cache_is_deprecated_for_cache_state() -> None:
     model.setup_caches(2, 8)
     with pytest.warns(DeprecationWarning):
         assert model.first_kv_cache() is model.kv_caches()[0]
+
+
+# -- decode steps as one attn::decode_layer call a layer ----------------------------------------
+
+
+def _native_model(dtype: torch.dtype, **overrides: object) -> TransformerDecoder:
+    """A tiny decoder whose widths attn::decode_layer takes (heads of 16, widths of 32)."""
+    fields: dict[str, object] = dict(head_dim=16, hidden_dim=64) | overrides
+    return tiny_model(**fields).to(dtype)
+
+
+def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts ``DecoderLayer.native_step`` calls: one element a call."""
+    calls: list[int] = []
+    step = DecoderLayer.native_step
+
+    def counted(self: DecoderLayer, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return step(self, *args)
+
+    monkeypatch.setattr(DecoderLayer, "native_step", counted)
+    return calls
+
+
+def _teacher_forced_logits(model: TransformerDecoder, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The prompt in one pass, then each later token in a decode step: (b, s - prompt_len + 1, v)."""
+    model.setup_caches(tokens.shape[0], 32)
+    with torch.inference_mode():
+        logits = [model(tokens[:, :prompt_len], last_only=True)]
+        logits += [model(tokens[:, i : i + 1]) for i in range(prompt_len, tokens.shape[1])]
+    return torch.cat(logits, 1)
+
+
+def _native_cases() -> list[tuple[torch.dtype, int]]:
+    cases = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16), (torch.bfloat16, 1), (torch.bfloat16, 3)]
+    cases.append((torch.bfloat16, 8))
+    if attn.native._has_amx():  # bf16 past 8 rows: AMX products only
+        cases.append((torch.bfloat16, 16))
+    return cases
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize(("dtype", "batch"), _native_cases())
+def test_eager_decode_steps_run_one_native_call_a_layer_and_equal_the_stock_kernels(
+    dtype: torch.dtype, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU runs attn::decode_layer, each layer of an eager decode step is one call to
+    it; the logits and the cache equal the stock kernels' (torch's products, SDPA) within the
+    rounding of sums in another order."""
+    model = _native_model(dtype)
+    tokens = torch.randint(0, 61, (batch, 12), generator=torch.Generator().manual_seed(batch))
+    calls = _native_calls(monkeypatch)
+    native = _teacher_forced_logits(model, tokens, 5)
+    native_caches = [(c.k_cache.clone(), c.v_cache.clone()) for c in model.kv_caches()]
+    assert model.linear_kernels(True, 1, batch) == "native"
+    assert len(calls) == 7 * model.config.num_layers  # 7 decode steps, every layer
+    monkeypatch.setattr(model, "native_layers", lambda batch_size: False)
+    stock = _teacher_forced_logits(model, tokens, 5)
+    assert len(calls) == 7 * model.config.num_layers  # none more
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2**-5}[dtype]
+    torch.testing.assert_close(native.float(), stock.float(), rtol=tolerance, atol=tolerance * 4)
+    for (k, v), cache in zip(native_caches, model.kv_caches(), strict=True):
+        torch.testing.assert_close(k.float(), cache.k_cache.float(), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(v.float(), cache.v_cache.float(), rtol=tolerance, atol=tolerance)
+
+
+class _LoraLike(Linear):
+    """What peft does to a projection: a module of another type in its place, with more to add."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1.0
+
+
+def _hooked(model: TransformerDecoder, seen: list[str]) -> None:
+    model.layers[1].mlp.up_proj.register_forward_hook(lambda module, args, out: seen.append("hook"))
+
+
+def _lora(model: TransformerDecoder, seen: list[str]) -> None:
+    old = model.layers[0].attn.q_proj
+    model.layers[0].attn.q_proj = _LoraLike(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+    model.layers[0].attn.q_proj.register_forward_pre_hook(lambda module, args: seen.append("lora"))
+
+
+def _pre_hooked_layer(model: TransformerDecoder, seen: list[str]) -> None:
+    model.layers[0].register_forward_pre_hook(lambda module, args: seen.append("layer"))
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (_hooked, "hook"),  # FSDP2's hooks, a user's probe: they must run
+        (_lora, "lora"),  # peft's LoRA layers: the adapter must be applied
+        (_pre_hooked_layer, "layer"),
+    ],
+)
+def test_a_layer_with_hooks_or_another_projection_runs_its_modules(
+    change, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attn::decode_layer computes the plain layer: a model with a hook on one of a layer's
+    modules, or a projection of another type, runs its modules, so nothing is skipped."""
+    model, seen = _native_model(torch.float32), []
+    change(model, seen)
+    calls = _native_calls(monkeypatch)
+    model.setup_caches(2, 16)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2], [3, 4]]))
+        seen.clear()
+        model(torch.tensor([[5], [6]]))
+    assert model.linear_kernels(True, 1, 2) != "native"
+    assert calls == [] and expected in seen
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize(
+    ("build", "batch", "expected"),
+    [
+        (lambda: _native_model(torch.float32, qk_norm=True), 2, "onednn"),
+        (lambda: _native_model(torch.float32, **GEMMA_OPTIONS["gemma2"]), 2, "onednn"),
+        (lambda: _native_model(torch.float32, hidden_dim=40), 2, "onednn"),  # not whole vectors
+        (lambda: _native_model(torch.float32), 17, "onednn"),  # past the fp32 product's 16 rows
+        (lambda: _native_model(torch.bfloat16), 33, "default"),  # past every bf16 product's rows
+    ],
+)
+def test_layers_it_does_not_compute_keep_the_other_kernels(build, batch: int, expected: str) -> None:
+    model = build()
+    model.setup_caches(batch, 16)
+    got = model.linear_kernels(True, 1, batch)
+    assert got != "native"
+    assert got == expected or (expected == "onednn" and got == "default")  # onednn: AMD CPUs only
+
+
+@needs_bf16_matvec
+def test_native_layers_need_a_cache_of_the_models_dtype_and_leave_other_choices_alone() -> None:
+    model = _native_model(torch.float32)
+    assert not model.native_layers(2)  # no caches yet
+    model.setup_caches(2, 16, dtype=torch.bfloat16)
+    assert not model.native_layers(2)
+    model.setup_caches(2, 16)
+    assert model.linear_kernels(True, 1, 2) == "native"
+    assert model.linear_kernels(True, 2, 2) == "default"  # prefill
+    assert model.linear_kernels(False, 1, 2) == "default"  # no cache: scoring, training
+    attn.set_packed_decode(model)
+    assert model.linear_kernels(True, 1, 2) == "packed"  # asked for
+    attn.set_packed_decode(model, False)
+    attn.set_parity_mode(model)
+    assert model.linear_kernels(True, 1, 2) == "exact"
+    assert all(native_product(2, width, torch.float32) is not None for width in (32, 64))

@@ -50,7 +50,7 @@ def fast() -> Iterator[DecodeCompiled]:
     heads of 16, so that its attention calls ``attn::decode_attention`` where the CPU has AVX-512."""
     model = tiny_model(11, head_dim=16)
     model.setup_caches(2, 32)
-    wrapped = compile_for_decode(model)
+    wrapped = compile_for_decode(model, native_layers=False)
     attn.generate(wrapped, PROMPTS, max_new_tokens=NEW_TOKENS)  # compiles the decode step
     yield wrapped
 
@@ -78,7 +78,7 @@ def test_checkpoint_features_compile_and_equal_eager() -> None:
     model = tiny_model(13, qkv_bias=True, qk_norm=True, sliding_window=3)
     expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
     model.setup_caches(2, 32)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got.tokens, expected.tokens)
     torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)
@@ -94,7 +94,7 @@ def test_gemma_compiles_and_equals_eager(family: str) -> None:
     model = tiny_model(13, num_layers=4, **GEMMA_OPTIONS[family])
     expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
     model.setup_caches(2, 32)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert torch.equal(got.tokens, expected.tokens)
     torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=1e-4, atol=1e-4)
@@ -260,7 +260,7 @@ def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> N
     (``attn::bf16_matvec`` for every linear at one row and at three, ``attn::amx_linear`` at 16,
     ``attn::decode_attention``)."""
     model = tiny_model(14, head_dim=16, hidden_dim=64).to(torch.bfloat16)  # features: multiples of 32
-    fast = compile_for_decode(model, native=native)
+    fast = compile_for_decode(model, native_layers=False, native=native)
     tokens = torch.randint(0, 61, (batch_size, 14), generator=torch.Generator().manual_seed(3))
     model.setup_caches(batch_size, 16)
 
@@ -283,6 +283,22 @@ def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> N
     assert worst <= bound * scale, f"largest logit difference {worst:.4f} against {scale:.2f} the largest logit"
 
 
+@needs_bf16_matvec
+def test_steps_the_eager_model_runs_natively_run_so_and_compile_nothing() -> None:
+    """A cached step whose layers the eager model runs as attn::decode_layer calls runs the
+    eager step (faster than a compiled one, and no compile); native_layers=False compiles it."""
+    model = tiny_model(head_dim=16, hidden_dim=64).to(torch.bfloat16)
+    expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
+    fast = compile_for_decode(model)
+    got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert torch.equal(got.tokens, expected.tokens)
+    assert fast.stats.graphs == 0 and fast.stats.native_steps == NEW_TOKENS - 1, fast.stats
+    compiled = compile_for_decode(model, native_layers=False)
+    again = attn.generate(compiled, PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert compiled.stats.graphs == 1 and compiled.stats.native_steps == 0, compiled.stats
+    torch.testing.assert_close(again.logprobs, expected.logprobs, rtol=2**-4, atol=2**-4)
+
+
 def test_bad_arguments() -> None:
     model = tiny_model(12)
     with pytest.raises(ValueError, match="max_rows must be a non-negative int"):
@@ -293,6 +309,8 @@ def test_bad_arguments() -> None:
         compile_for_decode(model, native=1)
     with pytest.raises(ValueError, match="rewrite_linears=False turns off"):
         compile_for_decode(model, native=True, rewrite_linears=False)
+    with pytest.raises(ValueError, match="native_layers must be True or False, got 1"):
+        compile_for_decode(model, native_layers=1)
     with pytest.raises(ValueError, match=r"call model\.eval"):
         compile_for_decode(model.train())
 
@@ -301,7 +319,7 @@ def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -
     """Static shapes: the second batch size gets a graph of its own, rewritten for its rows
     (not a graph with a symbolic batch, which would keep the BLAS kernel), same tokens as eager."""
     model = tiny_model(17)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5]]):
         got = attn.generate(fast, prompts, max_new_tokens=5)
         assert torch.equal(got.tokens, attn.generate(model, prompts, max_new_tokens=5).tokens)
@@ -314,7 +332,7 @@ def test_fp32_rows_past_max_rows_call_the_native_product_and_equal_eager() -> No
     """A GRPO-sized fp32 batch (16 rows, past ``max_rows``): every linear calls
     ``attn::fp32_linear`` instead of the BLAS kernel, and the greedy tokens equal eager's."""
     model = tiny_model(19, head_dim=16)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     prompts = [[1 + i % 7, 2 + i % 5, 3] for i in range(16)]
     got = attn.generate(fast, prompts, max_new_tokens=6)
     expected = attn.generate(model, prompts, max_new_tokens=6)
@@ -332,7 +350,7 @@ def test_a_second_cache_length_compiles_one_graph_for_every_later_length(callers
     compiles anything; the slots past the length are not read (poisoned in the caller's
     cache), and tokens equal eager's throughout."""
     model = tiny_model(18, max_seq_len=256)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     lengths = []
     for new_tokens in (10, 70, 130, 40, 10):
         lengths.append(-(-(len(PROMPTS[0]) + new_tokens) // SLOT_STEP) * SLOT_STEP)
@@ -357,7 +375,7 @@ def test_a_plain_decode_loop_in_a_large_cache_reads_the_filled_slots_rounded_up(
     eager model does: the slots past them are not read (poisoned), and the tokens are
     generate's."""
     model = tiny_model(20, max_seq_len=256)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=8).generated
     model.setup_caches(2, 256)
     poison_on_reset(model, 64)
@@ -382,7 +400,7 @@ def test_the_step_is_cacheable_on_disk_where_the_release_allows() -> None:
 
     before = dict(counters["aot_autograd"])
     model = tiny_model(19)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     attn.generate(fast, PROMPTS, max_new_tokens=3)
     delta = {key: counters["aot_autograd"][key] - before.get(key, 0) for key in counters["aot_autograd"]}
     assert fast.stats.graphs == 1
@@ -399,7 +417,7 @@ def test_more_models_than_dynamos_recompile_limit_each_compile_their_step() -> N
     (``fullgraph``: an error, not a slow fallback) unless the step raises its limit."""
     for seed in range(9):
         model = tiny_model(seed)
-        fast = compile_for_decode(model)
+        fast = compile_for_decode(model, native_layers=False)
         got = attn.generate(fast, PROMPTS, max_new_tokens=3)
         assert torch.equal(got.tokens, attn.generate(model, PROMPTS, max_new_tokens=3).tokens)
         assert fast.stats.graphs == 1
@@ -412,7 +430,7 @@ def test_the_step_is_handed_the_filled_slots_rounded_up_not_every_slot() -> None
     slots poisoned past that span would show as NaN, with no inductor compile."""
     model = tiny_model(21, max_seq_len=256)
     expected = attn.generate(model, PROMPTS[:1] * 2, max_new_tokens=6).generated
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
     spans = []
 
     def eager_step(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
@@ -440,7 +458,7 @@ def test_an_out_of_vocab_step_gets_the_eager_error_before_the_compiled_step(bad_
     with attn.cached_inference(model):
         model(torch.tensor([[1, 2], [3, 4]]))
     before = cache_state(model)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
 
     def never(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("the compiled step ran with an out-of-vocab id")
@@ -453,7 +471,7 @@ def test_an_out_of_vocab_step_gets_the_eager_error_before_the_compiled_step(bad_
 
 def test_save_pretrained_takes_the_compiled_wrapper(tmp_path: Path) -> None:
     model = tiny_model(23)
-    attn.checkpoint.save_pretrained(compile_for_decode(model), tmp_path)
+    attn.checkpoint.save_pretrained(compile_for_decode(model, native_layers=False), tmp_path)
     loaded = attn.load_pretrained(tmp_path)
     for (name, ours), (_, theirs) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(ours, theirs), name
@@ -466,7 +484,7 @@ def test_a_step_that_fails_after_writing_some_layers_leaves_every_layer_as_it_wa
     with attn.cached_inference(model):
         model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
     before = cache_state(model)
-    fast = compile_for_decode(model)
+    fast = compile_for_decode(model, native_layers=False)
 
     def half_a_step(tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
         cache = model.layers[0].attn.kv_cache
@@ -485,7 +503,7 @@ def test_with_packed_decode_the_step_reads_packed_weights_for_its_matrix_product
     off compiles another graph (dynamo guards the switch)."""
     model = tiny_model(23)
     attn.set_packed_decode(model)
-    fast = compile_for_decode(model, max_rows=1)
+    fast = compile_for_decode(model, native_layers=False, max_rows=1)
     prompts = [[1, 2, 3], [4, 5]]  # two rows: more than max_rows
 
     def both() -> tuple[attn.GenerationOutput, attn.GenerationOutput]:

@@ -392,3 +392,191 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
             assert bf16_matvec_available() is False
     finally:
         attn.native._built_here.cache_clear()
+
+
+# -- attn::decode_layer ------------------------------------------------------------------------
+
+_LAYER_WEIGHTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+
+
+def _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, dtype, biases, seed):
+    """A decode step's inputs for one layer: x (b, 1, e), 9 weights, 4 biases (some None),
+    caches (b, h_kv, L, d) holding stale values, each scaled to keep activations near 1."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def values(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+    e, qd, kvd = embed_dim, heads * head_dim, kv_heads * head_dim
+    shapes = [(e,), (qd, e), (kvd, e), (kvd, e), (e, qd), (e,), (hidden_dim, e), (hidden_dim, e), (e, hidden_dim)]
+    weights = [values(*s, scale=1.0 if len(s) == 1 else s[1] ** -0.5) for s in shapes]
+    weights[0], weights[5] = weights[0].abs() + 0.5, weights[5].abs() + 0.5  # norm weights near 1
+    bias = [values(n, scale=0.1) if on else None for n, on in zip((qd, kvd, kvd, e), biases, strict=True)]
+    caches = [values(batch, kv_heads, length, head_dim) for _ in "kv"]
+    return values(batch, 1, e), weights, bias, caches
+
+
+def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, eps, scale):
+    """The layer in float64, rounded to x's dtype where the eager layer rounds: each norm's
+    normalized value and product by its weight, each linear's output, RoPE's, attention's
+    output, each residual sum, SiLU's output and its product with the up projection."""
+    dtype, (b, _, e), d = x.dtype, x.shape, k_cache.shape[-1]
+
+    def rounded(t):
+        return t.to(dtype).double()
+
+    def norm(h, weight):
+        return rounded(weight.double() * rounded(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)))
+
+    def linear(h, weight, bias=None):
+        out = h @ weight.double().T
+        return rounded(out if bias is None else out + bias.double())
+
+    h0 = x.double().reshape(b, e)
+    normed = norm(h0, weights[0])
+    q, k, v = (linear(normed, weights[i], biases[i - 1]).view(b, -1, d) for i in (1, 2, 3))  # (b, h or h_kv, d)
+    cos, sin = rotation.double().reshape(2, -1, 1, d)  # each (1 or b, 1, d)
+    q, k = (rounded(t * cos + t.roll(d // 2, -1) * sin) for t in (q, k))
+    keys, values = k_cache.double().clone(), v_cache.double().clone()  # (b, h_kv, L, d)
+    keys[:, :, slot], values[:, :, slot] = k, v
+    span, group = mask.shape[-1], q.shape[1] // k.shape[1]
+    keys, values = (t[:, :, :span].repeat_interleave(group, 1) for t in (keys, values))  # (b, h, n, d)
+    scores = torch.einsum("bhd,bhnd->bhn", q, keys) * scale
+    scores = scores.masked_fill(~mask.reshape(-1, 1, span), float("-inf"))  # (b, h, n)
+    attended = rounded(torch.einsum("bhn,bhnd->bhd", scores.softmax(-1), values)).reshape(b, -1)
+    h1 = rounded(h0 + linear(attended, weights[4], biases[3]))
+    normed = norm(h1, weights[5])
+    gate, up = linear(normed, weights[6]), linear(normed, weights[7])
+    down = linear(rounded(rounded(gate * torch.sigmoid(gate)) * up), weights[8])
+    return rounded(h1 + down).view(b, 1, e)
+
+
+@needs_bf16_matvec
+@given(
+    dtype=st.sampled_from(["fp32", "bf16"]),
+    batch=st.integers(1, 16),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([16, 32, 48, 64]),  # 48: half a head is not whole vectors
+    embed_dim=st.sampled_from([32, 48, 64]),
+    hidden_dim=st.sampled_from([32, 48, 96]),
+    length=st.integers(1, 40),
+    slot_at=st.floats(0, 1, exclude_max=True),
+    span_at=st.floats(0, 1),
+    per_row=st.booleans(),  # the mask and the rotation per row, or one for every row
+    biases=st.tuples(*[st.booleans()] * 4),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_decode_layer_equals_a_float64_layer_and_writes_only_its_slot(
+    dtype, batch, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row, biases,
+    threads, seed,
+):  # fmt: skip
+    """The layer's output is the float64 layer's, rounded where eager rounds, within the
+    products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way);
+    the cache gets this token's key and value at its slot, and every other slot is unchanged
+    bit for bit."""
+    kind, heads = _DTYPES[dtype], kv_heads * group
+    widths = (embed_dim, heads * head_dim, hidden_dim)
+    if any(attn.native.native_product(batch, width, kind) is None for width in widths):
+        return  # rows this CPU's products of these widths do not take: the decoder never asks (test_decoder.py)
+    x, weights, bias, (k_cache, v_cache) = _layer_inputs(
+        batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    slot = int(slot_at * length)
+    span = slot + 1 + int(span_at * (length - slot - 1))
+    mask = torch.rand((batch, 1, span) if per_row else (1, span), generator=gen) < 0.6
+    mask[..., slot] = True  # a query always sees its own slot
+    angles = torch.rand((batch if per_row else 1, head_dim // 2), generator=gen) * 6.3
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)  # the first half negated, as RotaryEmbedding.rotation
+    rotation = torch.stack([cos, sin]).reshape((2, batch, 1, 1, head_dim) if per_row else (2, 1, head_dim))
+    scale = head_dim**-0.5
+    expected = _float64_layer(x, weights, bias, k_cache, v_cache, slot, mask, rotation, 1e-5, scale)
+    before = k_cache.clone(), v_cache.clone()
+    torch.set_num_threads(threads)
+    got = torch.ops.attn.decode_layer(
+        x, weights, bias, k_cache, v_cache, torch.tensor([slot]), mask, rotation, 1e-5, scale,
+        attn.native.amx_from_rows(),
+    )  # fmt: skip
+    assert got.shape == x.shape and got.dtype == kind
+    # bf16: a sum of another order can round an intermediate the other way, and that half step
+    # flows on through the norms and products: bounded by a share of the output's magnitude.
+    rtol = {"fp32": 1e-4, "bf16": 2**-5}[dtype]
+    atol = {"fp32": 1e-4, "bf16": 2**-5 * float(expected.abs().max())}[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
+    others = torch.arange(length) != slot
+    for cache, old in zip((k_cache, v_cache), before, strict=True):
+        assert torch.equal(cache[:, :, others], old[:, :, others])
+    assert not torch.equal(k_cache[:, :, slot], before[0][:, :, slot])  # written (random values never repeat)
+
+
+def _layer_call(**changes):
+    """A valid one-layer call (bf16, 2 rows, heads of 16), with ``changes`` to its arguments."""
+    x, weights, bias, (k_cache, v_cache) = _layer_inputs(2, 32, 2, 1, 16, 32, 8, torch.bfloat16, (False,) * 4, 0)
+    call = dict(
+        x=x, weights=weights, biases=bias, k_cache=k_cache, v_cache=v_cache, slots=torch.tensor([3]),
+        mask=torch.ones(1, 4, dtype=torch.bool), rotation=torch.ones(2, 1, 16), eps=1e-5, scale=0.25,
+        amx_from_rows=attn.native.amx_from_rows(),
+    )  # fmt: skip
+    for name, change in changes.items():
+        call[name] = change(call)
+    return call
+
+
+def _swap(items, index, value):
+    items = list(items)
+    items[index] = value
+    return items
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"x": lambda c: c["x"].float()}, "must be x's dtype Float, got BFloat16 and BFloat16"),
+        ({"x": lambda c: c["x"].expand(2, 2, 32)}, r"x must be \(b, 1, e\), one token a row, got \[2, 2, 32\]"),
+        ({"weights": lambda c: c["weights"][:8]}, "takes 9 weights .* got 8"),
+        (
+            {"weights": lambda c: _swap(c["weights"], 6, torch.zeros(48, 32, dtype=torch.bfloat16))},
+            r"weight shapes do not fit .* gate \[48, 32\], up \[32, 32\]",
+        ),
+        (
+            {"weights": lambda c: _swap(c["weights"], 2, c["weights"][2].float())},
+            "k_proj must be a contiguous CPU tensor of x's dtype BFloat16, got Float",
+        ),
+        (
+            {"weights": lambda c: _swap(c["weights"], 4, c["weights"][4].T.contiguous().T)},
+            "o_proj must be a contiguous CPU tensor",
+        ),
+        (
+            {"biases": lambda c: _swap(c["biases"], 3, torch.zeros(5, dtype=torch.bfloat16))},
+            r"the o_proj bias must be None or a \(32,\) CPU tensor",
+        ),
+        ({"slots": lambda c: torch.tensor([8])}, "slot 8 is outside the cache's 8 slots"),
+        ({"slots": lambda c: torch.tensor([3, 4])}, "slots must be the one cache slot this token writes"),
+        ({"mask": lambda c: torch.ones(1, 3, dtype=torch.bool)}, "the mask covers 3 slots; it must cover slot 3"),
+        ({"mask": lambda c: torch.ones(1, 9, dtype=torch.bool)}, "at most the cache's 8"),
+        ({"mask": lambda c: torch.ones(3, 1, 4, dtype=torch.bool)}, r"\(1, n\) or \(b, 1, n\), got Bool \[3, 1, 4\]"),
+        ({"mask": lambda c: torch.ones(1, 4)}, "the mask must be bool"),
+        ({"rotation": lambda c: torch.ones(2, 1, 8)}, r"rotation must be contiguous fp32 .* \(2, 1, 16\)"),
+        ({"k_cache": lambda c: c["k_cache"][:1]}, r"the caches must be \(b, h_kv, L, d\) with x's 2 rows"),
+        (
+            {
+                "x": lambda c: torch.zeros(9, 1, 32, dtype=torch.bfloat16),
+                "k_cache": lambda c: torch.zeros(9, 1, 8, 16, dtype=torch.bfloat16),
+                "v_cache": lambda c: torch.zeros(9, 1, 8, 16, dtype=torch.bfloat16),
+                "amx_from_rows": lambda c: 0,
+            },
+            "9 rows are more than its BFloat16 products of 32 features take",
+        ),
+    ],
+)
+def test_decode_layer_bad_input_names_the_values_and_writes_nothing(changes, message):
+    call = _layer_call(**changes)
+    before = call["k_cache"].clone(), call["v_cache"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.decode_layer(**call)
+    assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])

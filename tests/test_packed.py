@@ -184,7 +184,7 @@ def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) ->
 
 def test_an_unknown_kind_is_refused_before_the_switch_moves() -> None:
     switch = packed_linears("mkl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn', 'matvec'\), got 'mkl'"):
+    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn', 'matvec', 'native'\), got 'mkl'"):
         switch.__enter__()
     assert getattr(packed._this_thread, "kind", None) is None
 

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 #include <unistd.h>
 
+#include "kernels.h"
 #include "linear_checks.h"
 #include "simd.h"
 
@@ -175,6 +176,10 @@ ATTN_AMX void blocks(const uint16_t* W, const uint16_t* pairs, const uint16_t* b
   if (configured != -1) _tile_release();
 }
 
+}  // namespace
+
+namespace attn {
+
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(__builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16"),
               "attn::amx_linear needs a CPU with AMX-BF16");
@@ -209,6 +214,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   return y;
 }
 
-}  // namespace
+}  // namespace attn
 
-TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("amx_linear", &amx_linear); }
+TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("amx_linear", &attn::amx_linear); }

@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -125,27 +126,6 @@ ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, in
   return slots;
 }
 
-// exp(x) for x <= 0 (softmax weights): n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by
-// its Taylor polynomial of degree 7 (|r| <= ln 2 / 2: error 5e-9 relative), times 2^n. Below
-// -87.3 (a subnormal result, -inf included) the weight is 0.
-ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));  // no -inf below: -inf - (-inf) is NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 = 0.693359375 - 2.12194440e-4
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
-
 // One query: out[0, d) = softmax(scale q . k_j over allowed j) . v_j. `scores` holds L + 16
 // floats, `query` d + 32. Slots past the last allowed one are not read. Loads: the loads a row
 // takes (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query
@@ -200,7 +180,7 @@ ATTN_AVX512 void attend(const T* q, const T* k, const T* v, int64_t k_step, int6
   __m512 total = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < L; j0 += kLanes) {
     const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kLanes, L - j0)) - 1);
-    const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + j0), shift));
+    const __m512 w = attn::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + j0), shift));
     _mm512_mask_storeu_ps(scores + j0, valid, w);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, w));
   }
@@ -258,6 +238,10 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   });
 }
 
+}  // namespace
+
+namespace attn {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
                             double scale) {
   TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -307,6 +291,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace attn
 
-TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("decode_attention", &attn::decode_attention); }

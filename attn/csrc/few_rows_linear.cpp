@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "linear_checks.h"
 #include "simd.h"
 
@@ -190,6 +191,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return y;
 }
 
+}  // namespace
+
+namespace attn {
+
 at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::bf16_matvec needs a CPU with AVX512-BF16");
   const int64_t M = attn::check_linear("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, 1, x, weight, bias);
@@ -203,9 +208,9 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
   return linear<Fp32>(x, weight, bias, M);
 }
 
-}  // namespace
+}  // namespace attn
 
 TORCH_LIBRARY_IMPL(attn, CPU, m) {
-  m.impl("bf16_matvec", &bf16_matvec);
-  m.impl("fp32_linear", &fp32_linear);
+  m.impl("bf16_matvec", &attn::bf16_matvec);
+  m.impl("fp32_linear", &attn::fp32_linear);
 }

@@ -1,4 +1,4 @@
-// Shuffles that attn's native kernels share (AVX-512 F). attn/native.py hashes this header into
+// Shuffles and an exp that attn's native kernels share (AVX-512 F). attn/native.py hashes this header into
 // the build's flags, so that a change here rebuilds every source that includes it.
 #pragma once
 
@@ -50,6 +50,27 @@ ATTN_SIMD inline void transpose16(__m512i (&rows)[16]) {
     rows[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
     rows[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);
   }
+}
+
+// exp(x) for x <= 0 (softmax weights): n = round(x / ln 2), r = x - n ln 2 in two parts, e^r by
+// its Taylor polynomial of degree 7 (|r| <= ln 2 / 2: error 5e-9 relative), times 2^n. Below
+// -87.3 (a subnormal result, -inf included) the weight is 0.
+ATTN_SIMD inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));  // no -inf below: -inf - (-inf) is NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 = 0.693359375 - 2.12194440e-4
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
 }
 
 }  // namespace attn

@@ -1,0 +1,297 @@
+// attn::decode_layer: one decoder layer's decode step (one token a row, with the KV-cache) in one
+// call: RMSNorm, the q, k and v products, RoPE, the cache write, attention, the output product
+// and its residual, RMSNorm, the SwiGLU MLP and its residual.
+//
+// A compiled decode step at 16 rows spent 8-10 ms of 26-29 outside its products and attention
+// (SmolLM2-135M shape, bf16, 2 threads of a Xeon 6/167): the generated wrapper's Python for each
+// layer, dynamo's guards, a dozen small fused kernels, each a parallel region. Here a layer is one
+// operator call: the products (attn::amx_linear, attn::bf16_matvec, attn::fp32_linear) and the
+// attention (attn::decode_attention) are called directly, and the work between them, a few
+// thousand values a row, runs on the calling thread with AVX-512.
+//
+// Rounding follows the eager layer (attn/decoder.py, attn/norm.py, attn/rope.py) step by step: a
+// norm's fp32 result is rounded to the dtype before it is scaled by the weight, RoPE rotates in
+// fp32 and rounds once, SiLU's output is rounded before it multiplies the up product, each
+// residual sum is rounded once. The products and the attention sum in fp32 in their own order,
+// as in compile_for_decode's step, so an output can differ from eager's in the last bit.
+//
+// Every input is checked before the cache is written: a call that raises leaves the cache as it
+// was. Built on first use by attn/native.py, which checks the CPU has AVX512-BF16.
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define ATTN_LAYER __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxHeadDim = 512;  // a head's fp32 copy lives on the stack
+
+// Sixteen values of a row as fp32, and back in the row's dtype (bf16: nearest even).
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  ATTN_LAYER static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  ATTN_LAYER static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  ATTN_LAYER static __m512 round(__m512 v) { return v; }
+};
+
+template <>
+struct Lanes<c10::BFloat16> {
+  ATTN_LAYER static __m512 widen(__m256i raw) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  ATTN_LAYER static __m256i narrow(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+  ATTN_LAYER static __m512 load(const c10::BFloat16* p) {
+    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  ATTN_LAYER static void store(c10::BFloat16* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v));
+  }
+  ATTN_LAYER static __m512 round(__m512 v) { return widen(narrow(v)); }
+};
+
+// out (M, e) = weight * round(x * rsqrt(mean(x^2) + eps)), as attn.norm.RMSNorm computes it.
+template <typename T>
+ATTN_LAYER void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps) {
+  using V = Lanes<T>;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * e;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < e; i += kLanes) {
+      const __m512 v = V::load(row + i);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(e);
+    const __m512 factor = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+    for (int64_t i = 0; i < e; i += kLanes) {
+      const __m512 normed = V::round(_mm512_mul_ps(V::load(row + i), factor));
+      V::store(out + m * e + i, _mm512_mul_ps(V::load(weight + i), normed));
+    }
+  }
+}
+
+// Rotates x (M, heads, d) in place, as attn.rope.rotate_by: x * cos + roll(x, d / 2) * signed_sin
+// in fp32, rounded once. Row m's cos and signed sin start at cos + m * row_step (0: one for all).
+template <typename T>
+ATTN_LAYER void rotate(T* x, int64_t M, int64_t heads, int64_t d, const float* cos, const float* sin,
+                       int64_t row_step) {
+  using V = Lanes<T>;
+  const int64_t half = d / 2;
+  float wide[kMaxHeadDim];
+  for (int64_t m = 0; m < M; ++m) {
+    const float *c = cos + m * row_step, *s = sin + m * row_step;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* head = x + (m * heads + h) * d;
+      for (int64_t i = 0; i < d; i += kLanes) _mm512_storeu_ps(wide + i, V::load(head + i));
+      if (half % kLanes == 0) {
+        for (int64_t i = 0; i < d; i += kLanes) {
+          const __m512 rolled = _mm512_loadu_ps(wide + (i + half) % d);
+          const __m512 straight = _mm512_mul_ps(_mm512_loadu_ps(wide + i), _mm512_loadu_ps(c + i));
+          V::store(head + i, _mm512_add_ps(straight, _mm512_mul_ps(rolled, _mm512_loadu_ps(s + i))));
+        }
+      } else {  // half a head is not a whole number of vectors (d = 48, 80, ...)
+        for (int64_t i = 0; i < d; ++i) head[i] = T(wide[i] * c[i] + wide[(i + half) % d] * s[i]);
+      }
+    }
+  }
+}
+
+// out = round(a + b), `count` values (a multiple of 16).
+template <typename T>
+ATTN_LAYER void add(const T* a, const T* b, T* out, int64_t count) {
+  using V = Lanes<T>;
+  for (int64_t i = 0; i < count; i += kLanes) V::store(out + i, _mm512_add_ps(V::load(a + i), V::load(b + i)));
+}
+
+// gate = round(round(silu(gate)) * up), in place, `count` values (a multiple of 16). SiLU as
+// x * sigmoid(x), the sigmoid from exp(-|x|) (never an overflow).
+template <typename T>
+ATTN_LAYER void swiglu(T* gate, const T* up, int64_t count) {
+  using V = Lanes<T>;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < count; i += kLanes) {
+    const __m512 g = V::load(gate + i);
+    const __m512 small = attn::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, small), _mm512_add_ps(one, small));
+    V::store(gate + i, _mm512_mul_ps(V::round(_mm512_mul_ps(g, sigmoid)), V::load(up + i)));
+  }
+}
+
+// Writes rows (M, h_kv, d) at `slot` of cache (M, h_kv, L, d).
+template <typename T>
+void write_slot(const T* rows, at::Tensor& cache, int64_t slot) {
+  const int64_t M = cache.size(0), heads = cache.size(1), d = cache.size(3);
+  T* data = cache.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < heads; ++h)
+      std::memcpy(data + m * cache.stride(0) + h * cache.stride(1) + slot * cache.stride(2),
+                  rows + (m * heads + h) * d, d * sizeof(T));
+}
+
+enum class Product { kFp32, kMatvec, kAmx };
+
+// The product a linear of `rows` rows and `features` input features takes (attn/native.py's
+// choice: AMX from `amx_from_rows` rows, 0 for none, where the features are a multiple of 32).
+Product product_for(at::ScalarType dtype, int64_t rows, int64_t features, int64_t amx_from_rows) {
+  if (dtype == at::kFloat) return Product::kFp32;
+  return amx_from_rows > 0 && rows >= amx_from_rows && features % 32 == 0 ? Product::kAmx : Product::kMatvec;
+}
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                   int64_t amx_from_rows) {
+  switch (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows)) {
+    case Product::kFp32:
+      return attn::fp32_linear(x, weight, bias);
+    case Product::kAmx:
+      return attn::amx_linear(x, weight, bias);
+    default:
+      return attn::bf16_matvec(x, weight, bias);
+  }
+}
+
+const char* kWeightNames[] = {"attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+                              "mlp_norm",  "gate_proj", "up_proj", "down_proj"};
+const char* kBiasNames[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+
+template <typename T>
+at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor> (&bias)[4],
+                     at::Tensor& k_cache, at::Tensor& v_cache, int64_t slot, const at::Tensor& mask,
+                     const at::Tensor& rotation, float eps, double scale, int64_t amx_from_rows) {
+  const int64_t M = x.size(0), e = x.size(2), d = k_cache.size(3), kv_heads = k_cache.size(1);
+  const int64_t heads = w[1].size(0) / d, hidden = w[6].size(0);
+  const auto options = x.options();
+  const at::Tensor h0 = x.contiguous();  // (M, 1, e)
+  at::Tensor normed = at::empty({M, e}, options);
+  rms_norm<T>(h0.data_ptr<T>(), w[0].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
+  at::Tensor q = product(normed, w[1], bias[0], amx_from_rows);  // (M, h * d)
+  at::Tensor k = product(normed, w[2], bias[1], amx_from_rows);  // (M, h_kv * d)
+  const at::Tensor v = product(normed, w[3], bias[2], amx_from_rows);  // (M, h_kv * d)
+  const float* cos = rotation.data_ptr<float>();
+  const int64_t row_step = rotation.numel() == 2 * d ? 0 : d;
+  const float* sin = cos + rotation.numel() / 2;
+  rotate<T>(q.data_ptr<T>(), M, heads, d, cos, sin, row_step);
+  rotate<T>(k.data_ptr<T>(), M, kv_heads, d, cos, sin, row_step);
+  write_slot<T>(k.data_ptr<T>(), k_cache, slot);
+  write_slot<T>(v.data_ptr<T>(), v_cache, slot);
+  const int64_t span = mask.size(-1);
+  const at::Tensor allowed = mask.dim() == 2 ? mask.unsqueeze(0).unsqueeze(0) : mask.unsqueeze(1);  // (1 or M, 1, 1, n)
+  const at::Tensor attended = attn::decode_attention(q.view({M, heads, 1, d}), k_cache.narrow(2, 0, span),
+                                                     v_cache.narrow(2, 0, span), allowed, scale);  // (M, h, 1, d)
+  const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], bias[3], amx_from_rows);  // (M, e)
+  at::Tensor h1 = at::empty({M, e}, options);
+  add<T>(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
+  rms_norm<T>(h1.data_ptr<T>(), w[5].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
+  at::Tensor gate = product(normed, w[6], c10::nullopt, amx_from_rows);  // (M, hidden)
+  const at::Tensor up = product(normed, w[7], c10::nullopt, amx_from_rows);
+  swiglu<T>(gate.data_ptr<T>(), up.data_ptr<T>(), M * hidden);
+  const at::Tensor down = product(gate, w[8], c10::nullopt, amx_from_rows);  // (M, e)
+  at::Tensor out = at::empty({M, 1, e}, options);
+  add<T>(h1.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), M * e);
+  return out;
+}
+
+}  // namespace
+
+namespace attn {
+
+at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& mask,
+                        const at::Tensor& rotation, double eps, double scale, int64_t amx_from_rows) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::decode_layer needs a CPU with AVX512-BF16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attn::decode_layer takes fp32 or bf16, got x ", dtype);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0, "attn::decode_layer: x must be (b, 1, e), one token "
+              "a row, got ", x.sizes());
+  TORCH_CHECK(weights.size() == 9, "attn::decode_layer takes 9 weights (attn_norm, q, k, v, o, mlp_norm, gate, up, "
+              "down), got ", weights.size());
+  TORCH_CHECK(biases.size() == 4, "attn::decode_layer takes 4 biases (q, k, v, o; None for none), got ",
+              biases.size());
+  const int64_t M = x.size(0), e = x.size(2);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == M,
+              "attn::decode_layer: the caches must be (b, h_kv, L, d) with x's ", M, " rows, got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "attn::decode_layer: the caches must "
+              "be x's dtype ", dtype, ", got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "attn::decode_layer: cache rows must be contiguous");
+  const int64_t kv_heads = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(d > 0 && d % kLanes == 0 && d <= kMaxHeadDim, "attn::decode_layer takes a head dim that is a multiple "
+              "of 16 up to ", kMaxHeadDim, ", got ", d);
+  TORCH_CHECK(e % kLanes == 0, "attn::decode_layer takes a model width that is a multiple of 16, got ", e);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.scalar_type() == dtype && w.device().is_cpu() && w.is_contiguous(), "attn::decode_layer: ",
+                kWeightNames[i], " must be a contiguous CPU tensor of x's dtype ", dtype, ", got ", w.scalar_type(),
+                " on ", w.device(), " with strides ", w.strides());
+  }
+  const int64_t qd = weights[1].size(0), kvd = kv_heads * d, hidden = weights[6].size(0);
+  const bool shapes = weights[0].dim() == 1 && weights[0].size(0) == e && weights[5].dim() == 1 &&
+                      weights[5].size(0) == e && qd % d == 0 && (qd / d) % kv_heads == 0 &&
+                      weights[1].sizes() == at::IntArrayRef({qd, e}) && weights[2].sizes() == at::IntArrayRef({kvd, e}) &&
+                      weights[3].sizes() == at::IntArrayRef({kvd, e}) && weights[4].sizes() == at::IntArrayRef({e, qd}) &&
+                      hidden % kLanes == 0 && weights[6].sizes() == at::IntArrayRef({hidden, e}) &&
+                      weights[7].sizes() == at::IntArrayRef({hidden, e}) &&
+                      weights[8].sizes() == at::IntArrayRef({e, hidden});
+  TORCH_CHECK(shapes, "attn::decode_layer: weight shapes do not fit x (", M, ", 1, ", e, ") and heads of ", d,
+              " (caches ", k_cache.sizes(), "): attn_norm ", weights[0].sizes(), ", q ", weights[1].sizes(), ", k ",
+              weights[2].sizes(), ", v ", weights[3].sizes(), ", o ", weights[4].sizes(), ", mlp_norm ",
+              weights[5].sizes(), ", gate ", weights[6].sizes(), ", up ", weights[7].sizes(), ", down ",
+              weights[8].sizes(), " (the hidden width a multiple of 16)");
+  c10::optional<at::Tensor> bias[4];
+  for (size_t i = 0; i < 4; ++i) {
+    bias[i] = biases.get(i);
+    const int64_t n = i == 0 ? qd : i == 3 ? e : kvd;
+    TORCH_CHECK(!bias[i].has_value() || (bias[i]->scalar_type() == dtype && bias[i]->dim() == 1 &&
+                                         bias[i]->size(0) == n && bias[i]->device().is_cpu()),
+                "attn::decode_layer: the ", kBiasNames[i], " bias must be None or a (", n, ",) CPU tensor of x's "
+                "dtype");
+  }
+  const int64_t features[] = {e, qd, hidden};
+  for (const int64_t k : features) {
+    const Product kind = product_for(dtype, M, k, amx_from_rows);
+    const int64_t most = kind == Product::kFp32 ? 16 : kind == Product::kAmx ? 32 : 8;
+    TORCH_CHECK(M <= most, "attn::decode_layer: ", M, " rows are more than its ", dtype, " products of ", k,
+                " features take (", most, "); F.linear is the product for more");
+  }
+  TORCH_CHECK(slots.numel() == 1 && slots.scalar_type() == at::kLong && slots.device().is_cpu(),
+              "attn::decode_layer: slots must be the one cache slot this token writes, a CPU long tensor, got ",
+              slots.sizes(), " ", slots.scalar_type());
+  const int64_t slot = slots.data_ptr<int64_t>()[0];
+  TORCH_CHECK(0 <= slot && slot < L, "attn::decode_layer: slot ", slot, " is outside the cache's ", L, " slots");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device().is_cpu() &&
+                  ((mask.dim() == 2 && mask.size(0) == 1) ||
+                   (mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == M) && mask.size(1) == 1)),
+              "attn::decode_layer: the mask must be bool, (1, n) or (b, 1, n), got ", mask.scalar_type(), " ",
+              mask.sizes());
+  const int64_t span = mask.size(-1);
+  TORCH_CHECK(slot < span && span <= L, "attn::decode_layer: the mask covers ", span, " slots; it must cover slot ",
+              slot, " and at most the cache's ", L);
+  TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous() &&
+                  (rotation.numel() == 2 * d || rotation.numel() == 2 * M * d),
+              "attn::decode_layer: rotation must be contiguous fp32 cos and signed sin rows, (2, 1, ", d, ") or (2, ",
+              M, ", 1, 1, ", d, "), got ", rotation.scalar_type(), " ", rotation.sizes());
+  const float epsilon = static_cast<float>(eps);
+  if (dtype == at::kFloat)
+    return run_layer<float>(x, weights, bias, k_cache, v_cache, slot, mask, rotation, epsilon, scale, amx_from_rows);
+  return run_layer<c10::BFloat16>(x, weights, bias, k_cache, v_cache, slot, mask, rotation, epsilon, scale,
+                                  amx_from_rows);
+}
+
+}  // namespace attn
+
+TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("decode_layer", &attn::decode_layer); }

@@ -1,0 +1,26 @@
+// The entry points of attn's native kernels, for the kernels that call each other
+// (attn::decode_layer calls the products and the attention). Each checks its inputs and raises
+// with the values it found; attn/native.py registers them as the attn:: operators' CPU kernels
+// and hashes this header into the build's flags.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace attn {
+
+// y = x W^T (+ bias): x (..., K) bf16 of 1 to 8 rows (few_rows_linear.cpp).
+at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// y = x W^T (+ bias): x (..., K) fp32 of 1 to 16 rows (few_rows_linear.cpp).
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// y = x W^T (+ bias): x (..., K) bf16 of 1 to 32 rows, K a multiple of 32, with AMX (amx_linear.cpp).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// softmax(scale q k^T, masked) v: q (b, h, s, d), k and v (b, h_kv, L, d), a bool mask that
+// broadcasts to (b, h, s, L); returns (b, h, s, d) contiguous (decode_attention.cpp).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
+                            double scale);
+
+}  // namespace attn
