@@ -235,12 +235,13 @@ class DecoderLayer(nn.Module):
         )
 
     def native_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], float] | None:
-        """The weights (norm, q, k, v, o, norm, gate, up, down), biases (q, k, v, o) and norm
-        epsilon ``attn::decode_layer`` takes for this layer; ``None`` where the layer is not the
-        plain one it computes: a hook on one of its modules (FSDP2's), a projection that is not
-        attn's ``Linear`` (peft's LoRA layers), a weight that is not a plain contiguous tensor (a
-        DTensor), norms of two epsilons, a biased MLP. Read from the modules' own dicts: every
-        decode step asks (about 4 us a layer)."""
+        """The weights (norm, q, k, v, o, norm, gate, up, down, and the q and k norms where the
+        layer has them), biases (q, k, v, o) and norm epsilon ``attn::decode_layer`` takes for
+        this layer; ``None`` where the layer is not the plain one it computes: a hook on one of
+        its modules (FSDP2's), a projection that is not attn's ``Linear`` (peft's LoRA layers), a
+        weight that is not a plain contiguous tensor (a DTensor), norms of two epsilons or
+        Gemma's ``1 + w``, a biased MLP. Read from the modules' own dicts: every decode step asks
+        (about 4 us a layer)."""
         attention, mlp = self._modules["attn"], self._modules["mlp"]
         inner, outer = attention._modules, mlp._modules
         projections = (
@@ -248,18 +249,22 @@ class DecoderLayer(nn.Module):
             outer["gate_proj"], outer["up_proj"], outer["down_proj"],
         )  # fmt: skip
         norms = (self._modules["attn_norm"], self._modules["mlp_norm"])
+        if attention.q_norm is not None:  # Qwen3: each head's queries and keys
+            norms += (inner["q_norm"], inner["k_norm"])
         for module in (self, attention, mlp, *norms, *projections):
             if module._forward_hooks or module._forward_pre_hooks:
                 return None
         for projection in projections:
             if type(projection) is not Linear:
                 return None
-        if type(norms[0]) is not RMSNorm or type(norms[1]) is not RMSNorm or norms[0].eps != norms[1].eps:
-            return None
+        for norm in norms:
+            if type(norm) is not RMSNorm or norm.unit_offset or norm.eps != norms[0].eps:
+                return None
         weights = [norms[0]._parameters["weight"]]
         weights += [p._parameters["weight"] for p in projections[:4]]
         weights.append(norms[1]._parameters["weight"])
         weights += [p._parameters["weight"] for p in projections[4:]]
+        weights += [norm._parameters["weight"] for norm in norms[2:]]
         for weight in weights:
             if type(weight) not in _PLAIN_TENSORS or not weight.is_contiguous():
                 return None
@@ -317,10 +322,10 @@ class TransformerDecoder(nn.Module):
         self._plan_local = (config.sliding_window, windowed_rope) if local else None
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else Linear(config.embed_dim, config.vocab_size, bias=False)
-        # The layers attn::decode_layer computes: Llama's (Qwen2's biases and Mistral's windows
-        # too), none of Gemma's or Qwen3's options; widths its vectors take whole.
+        # The layers attn::decode_layer computes: Llama's, with Qwen2's biases, Qwen3's q/k norms and
+        # Mistral's windows; none of Gemma's options; widths its vectors take whole.
         self._native_config = (
-            not (config.qk_norm or config.sandwich_norms or config.unit_offset_norms or config.attn_softcap)
+            not (config.sandwich_norms or config.unit_offset_norms or config.attn_softcap)
             and config.activation == "silu"
             and config.head_dim % 16 == 0
             and config.head_dim <= 512

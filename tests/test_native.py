@@ -399,9 +399,10 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
 _LAYER_WEIGHTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
 
-def _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, dtype, biases, seed):
-    """A decode step's inputs for one layer: x (b, 1, e), 9 weights, 4 biases (some None),
-    caches (b, h_kv, L, d) holding stale values, each scaled to keep activations near 1."""
+def _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, dtype, biases, seed, qk_norm=False):
+    """A decode step's inputs for one layer: x (b, 1, e), 9 weights (11 with q and k norms), 4
+    biases (some None), caches (b, h_kv, L, d) holding stale values, each scaled to keep
+    activations near 1."""
     gen = torch.Generator().manual_seed(seed)
 
     def values(*shape, scale=1.0):
@@ -410,14 +411,18 @@ def _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, lengt
     e, qd, kvd = embed_dim, heads * head_dim, kv_heads * head_dim
     shapes = [(e,), (qd, e), (kvd, e), (kvd, e), (e, qd), (e,), (hidden_dim, e), (hidden_dim, e), (e, hidden_dim)]
     weights = [values(*s, scale=1.0 if len(s) == 1 else s[1] ** -0.5) for s in shapes]
-    weights[0], weights[5] = weights[0].abs() + 0.5, weights[5].abs() + 0.5  # norm weights near 1
+    if qk_norm:
+        weights += [values(head_dim), values(head_dim)]
+    for i in (0, 5, 9, 10)[: 4 if qk_norm else 2]:
+        weights[i] = weights[i].abs() + 0.5  # norm weights near 1
     bias = [values(n, scale=0.1) if on else None for n, on in zip((qd, kvd, kvd, e), biases, strict=True)]
     caches = [values(batch, kv_heads, length, head_dim) for _ in "kv"]
     return values(batch, 1, e), weights, bias, caches
 
 
 def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, eps, scale):
-    """The layer in float64, rounded to x's dtype where the eager layer rounds: each norm's
+    """The layer in float64, rounded to x's dtype where the eager layer rounds (11 weights: each
+    head's q and k normed before RoPE, as Qwen3): each norm's
     normalized value and product by its weight, each linear's output, RoPE's, attention's
     output, each residual sum, SiLU's output and its product with the up projection."""
     dtype, (b, _, e), d = x.dtype, x.shape, k_cache.shape[-1]
@@ -435,6 +440,8 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     h0 = x.double().reshape(b, e)
     normed = norm(h0, weights[0])
     q, k, v = (linear(normed, weights[i], biases[i - 1]).view(b, -1, d) for i in (1, 2, 3))  # (b, h or h_kv, d)
+    if len(weights) == 11:
+        q, k = norm(q, weights[9]), norm(k, weights[10])
     cos, sin = rotation.double().reshape(2, -1, 1, d)  # each (1 or b, 1, d)
     q, k = (rounded(t * cos + t.roll(d // 2, -1) * sin) for t in (q, k))
     keys, values = k_cache.double().clone(), v_cache.double().clone()  # (b, h_kv, L, d)
@@ -465,13 +472,14 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     span_at=st.floats(0, 1),
     per_row=st.booleans(),  # the mask and the rotation per row, or one for every row
     biases=st.tuples(*[st.booleans()] * 4),
+    qk_norm=st.booleans(),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=60, deadline=None)
 def test_decode_layer_equals_a_float64_layer_and_writes_only_its_slot(
     dtype, batch, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row, biases,
-    threads, seed,
+    qk_norm, threads, seed,
 ):  # fmt: skip
     """The layer's output is the float64 layer's, rounded where eager rounds, within the
     products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way);
@@ -482,7 +490,7 @@ def test_decode_layer_equals_a_float64_layer_and_writes_only_its_slot(
     if any(attn.native.native_product(batch, width, kind) is None for width in widths):
         return  # rows this CPU's products of these widths do not take: the decoder never asks (test_decoder.py)
     x, weights, bias, (k_cache, v_cache) = _layer_inputs(
-        batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed
+        batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed, qk_norm
     )
     gen = torch.Generator().manual_seed(seed + 1)
     slot = int(slot_at * length)
@@ -538,7 +546,15 @@ def _swap(items, index, value):
     [
         ({"x": lambda c: c["x"].float()}, "must be x's dtype Float, got BFloat16 and BFloat16"),
         ({"x": lambda c: c["x"].expand(2, 2, 32)}, r"x must be \(b, 1, e\), one token a row, got \[2, 2, 32\]"),
-        ({"weights": lambda c: c["weights"][:8]}, "takes 9 weights .* got 8"),
+        ({"weights": lambda c: c["weights"][:8]}, r"takes 9 weights .* or 11 \(and q_norm, k_norm\), got 8"),
+        (
+            {
+                "weights": lambda c: (
+                    c["weights"] + [torch.ones(16, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)]
+                )
+            },
+            r"weight shapes do not fit .* q_norm and k_norm \[16\] and \[8\]",
+        ),
         (
             {"weights": lambda c: _swap(c["weights"], 6, torch.zeros(48, 32, dtype=torch.bfloat16))},
             r"weight shapes do not fit .* gate \[48, 32\], up \[32, 32\]",

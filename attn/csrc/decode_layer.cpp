@@ -1,6 +1,7 @@
 // attn::decode_layer: one decoder layer's decode step (one token a row, with the KV-cache) in one
-// call: RMSNorm, the q, k and v products, RoPE, the cache write, attention, the output product
-// and its residual, RMSNorm, the SwiGLU MLP and its residual.
+// call: RMSNorm, the q, k and v products, each head's q and k RMSNorm where the model has them
+// (Qwen3), RoPE, the cache write, attention, the output product and its residual, RMSNorm, the
+// SwiGLU MLP and its residual.
 //
 // A compiled decode step at 16 rows spent 8-10 ms of 26-29 outside its products and attention
 // (SmolLM2-135M shape, bf16, 2 threads of a Xeon 6/167): the generated wrapper's Python for each
@@ -65,7 +66,8 @@ struct Lanes<c10::BFloat16> {
   ATTN_LAYER static __m512 round(__m512 v) { return widen(narrow(v)); }
 };
 
-// out (M, e) = weight * round(x * rsqrt(mean(x^2) + eps)), as attn.norm.RMSNorm computes it.
+// out (M, e) = weight * round(x * rsqrt(mean(x^2) + eps)), as attn.norm.RMSNorm computes it; out
+// may be x (each row is read whole before it is written).
 template <typename T>
 ATTN_LAYER void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps) {
   using V = Lanes<T>;
@@ -165,8 +167,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   }
 }
 
-const char* kWeightNames[] = {"attn_norm", "q_proj", "k_proj", "v_proj", "o_proj",
-                              "mlp_norm",  "gate_proj", "up_proj", "down_proj"};
+const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_proj", "mlp_norm",
+                              "gate_proj", "up_proj", "down_proj", "q_norm", "k_norm"};
 const char* kBiasNames[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
 
 template <typename T>
@@ -182,6 +184,10 @@ at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<
   at::Tensor q = product(normed, w[1], bias[0], amx_from_rows);  // (M, h * d)
   at::Tensor k = product(normed, w[2], bias[1], amx_from_rows);  // (M, h_kv * d)
   const at::Tensor v = product(normed, w[3], bias[2], amx_from_rows);  // (M, h_kv * d)
+  if (w.size() == 11) {  // each head's RMSNorm, before RoPE
+    rms_norm<T>(q.data_ptr<T>(), w[9].data_ptr<T>(), q.data_ptr<T>(), M * heads, d, eps);
+    rms_norm<T>(k.data_ptr<T>(), w[10].data_ptr<T>(), k.data_ptr<T>(), M * kv_heads, d, eps);
+  }
   const float* cos = rotation.data_ptr<float>();
   const int64_t row_step = rotation.numel() == 2 * d ? 0 : d;
   const float* sin = cos + rotation.numel() / 2;
@@ -218,8 +224,8 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attn::decode_layer takes fp32 or bf16, got x ", dtype);
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0, "attn::decode_layer: x must be (b, 1, e), one token "
               "a row, got ", x.sizes());
-  TORCH_CHECK(weights.size() == 9, "attn::decode_layer takes 9 weights (attn_norm, q, k, v, o, mlp_norm, gate, up, "
-              "down), got ", weights.size());
+  TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "attn::decode_layer takes 9 weights (attn_norm, q, k, v, "
+              "o, mlp_norm, gate, up, down) or 11 (and q_norm, k_norm), got ", weights.size());
   TORCH_CHECK(biases.size() == 4, "attn::decode_layer takes 4 biases (q, k, v, o; None for none), got ",
               biases.size());
   const int64_t M = x.size(0), e = x.size(2);
@@ -246,12 +252,16 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::
                       weights[3].sizes() == at::IntArrayRef({kvd, e}) && weights[4].sizes() == at::IntArrayRef({e, qd}) &&
                       hidden % kLanes == 0 && weights[6].sizes() == at::IntArrayRef({hidden, e}) &&
                       weights[7].sizes() == at::IntArrayRef({hidden, e}) &&
-                      weights[8].sizes() == at::IntArrayRef({e, hidden});
+                      weights[8].sizes() == at::IntArrayRef({e, hidden}) &&
+                      (weights.size() == 9 || (weights[9].sizes() == at::IntArrayRef({d}) &&
+                                               weights[10].sizes() == at::IntArrayRef({d})));
   TORCH_CHECK(shapes, "attn::decode_layer: weight shapes do not fit x (", M, ", 1, ", e, ") and heads of ", d,
               " (caches ", k_cache.sizes(), "): attn_norm ", weights[0].sizes(), ", q ", weights[1].sizes(), ", k ",
               weights[2].sizes(), ", v ", weights[3].sizes(), ", o ", weights[4].sizes(), ", mlp_norm ",
               weights[5].sizes(), ", gate ", weights[6].sizes(), ", up ", weights[7].sizes(), ", down ",
-              weights[8].sizes(), " (the hidden width a multiple of 16)");
+              weights[8].sizes(), weights.size() == 11 ? ", q_norm and k_norm " : "",
+              weights.size() == 11 ? weights[9].sizes() : at::IntArrayRef(), weights.size() == 11 ? " and " : "",
+              weights.size() == 11 ? weights[10].sizes() : at::IntArrayRef(), " (the hidden width a multiple of 16)");
   c10::optional<at::Tensor> bias[4];
   for (size_t i = 0; i < 4; ++i) {
     bias[i] = biases.get(i);
