@@ -360,13 +360,24 @@ class AttnPacked(PackedDecode, AttnEager):
 class AttnCompiled(AttnEager):
     """``attn.generate`` through ``attn.compile_for_decode``: eager prefill, compiled decode step."""
 
-    def __init__(self, name: str, policy: CachePolicy | None, description: str, *, rewrite: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: CachePolicy | None,
+        description: str,
+        *,
+        rewrite: bool = True,
+        native_layers: bool = True,
+    ) -> None:
         super().__init__(name, policy, description)
         self.rewrite = rewrite
+        self.native_layers = native_layers
         self.fast: DecodeCompiled | None = None
 
     def setup(self, ctx: CellContext) -> None:
-        self.fast = compile_for_decode(ctx.model, max_rows=ctx.max_rows, rewrite_linears=self.rewrite)
+        self.fast = compile_for_decode(
+            ctx.model, max_rows=ctx.max_rows, rewrite_linears=self.rewrite, native_layers=self.native_layers
+        )
 
     def runner(self, ctx: CellContext) -> Any:
         if self.fast is None:
@@ -380,6 +391,8 @@ class AttnCompiled(AttnEager):
         if self.fast is None:
             return None
         stats = self.fast.stats
+        if stats.native_steps and not stats.graphs:
+            return f"{stats.native_steps} decode steps run eager, one attn::decode_layer call a layer; nothing compiled"
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
         native = f" ({stats.linears_native} of them through a native kernel)" if stats.linears_native else ""
@@ -589,7 +602,14 @@ CONTENDERS: dict[str, Any] = {
     "attn-compiled": lambda: AttnCompiled(
         "attn-compiled",
         None,
-        "attn.compile_for_decode: eager prefill, inductor decode step with row-wise linears",
+        "attn.compile_for_decode: eager prefill; decode steps as attn::decode_layer calls where the model's layers "
+        "and the CPU take them, else an inductor step with row-wise linears",
+    ),
+    "attn-compiled-graph": lambda: AttnCompiled(
+        "attn-compiled-graph",
+        None,
+        "attn.compile_for_decode(native_layers=False): eager prefill, inductor decode step with row-wise linears",
+        native_layers=False,
     ),
     "attn-compiled-packed": lambda: AttnCompiledPacked(
         "attn-compiled-packed",

@@ -150,21 +150,47 @@ ATTN_BLOCK(even_block, 0, 1, 2)
 ATTN_BLOCK(odd_block, 4, 5, 6)
 #undef ATTN_BLOCK
 
-// Blocks [b0, b1) of 16 outputs (the last of W may be short). pairs: x as B tiles,
-// (halves, K / 32, 16 feature pairs, 16 rows, 2).
+// One product of a group that shares x: W (N, K) into Y (M, N), plus bias (or null). Its blocks
+// of 16 outputs are the group's blocks [first, first + ceil(N / 16)).
+struct Product {
+  const uint16_t* W;
+  const uint16_t* bias;
+  uint16_t* Y;
+  int64_t N;
+  int64_t first;
+};
+
+// The product that the group's block b belongs to.
+inline const Product& product_of(const Product* group, int count, int64_t b) {
+  int i = 0;
+  while (i + 1 < count && b >= group[i + 1].first) ++i;
+  return group[i];
+}
+
+// The group's blocks [b0, b1) of 16 outputs (each product's last may be short), one product's
+// after another's with no pause between them. pairs: x as B tiles, (halves, K / 32, 16 feature
+// pairs, 16 rows, 2).
 template <int Halves>
-ATTN_AMX void blocks(const uint16_t* W, const uint16_t* pairs, const uint16_t* bias, uint16_t* Y, int64_t M, int64_t N,
-                     int64_t K, int64_t b0, int64_t b1) {
+ATTN_AMX void blocks(const Product* group, int count, const uint16_t* pairs, int64_t M, int64_t K, int64_t b0,
+                     int64_t b1) {
   const int64_t steps = K / kStep, stride = K * 2;
   alignas(64) float c[2][Halves][kBlock * kBlock] = {};  // c[block % 2][half][output][row]
   int64_t configured = -1;
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t outputs = std::min<int64_t>(kBlock, N - b * kBlock);
+    const Product& p = product_of(group, count, b);
+    const int64_t local = b - p.first;
+    const int64_t outputs = std::min<int64_t>(kBlock, p.N - local * kBlock);
     if (outputs != configured) configure(configured = outputs);
-    const uint16_t* w = W + b * kBlock * K;
-    const char* ahead = b + kAheadBlocks < b1 ? reinterpret_cast<const char*>(w + kAheadBlocks * kBlock * K) : nullptr;
+    const uint16_t* w = p.W + local * kBlock * K;
+    const char* ahead = nullptr;
+    if (b + kAheadBlocks < b1) {
+      const Product& next = product_of(group, count, b + kAheadBlocks);
+      ahead = reinterpret_cast<const char*>(next.W + (b + kAheadBlocks - next.first) * kBlock * K);
+    }
     auto previous = [&] {
-      if (b > b0) store<Halves>(c[(b - 1) % 2], bias, Y, M, N, (b - 1) * kBlock);
+      if (b == b0) return;
+      const Product& last = product_of(group, count, b - 1);
+      store<Halves>(c[(b - 1) % 2], last.bias, last.Y, M, last.N, (b - 1 - last.first) * kBlock);
     };
     if (b % 2 == 0) {
       even_block<Halves>(w, pairs, steps, stride, ahead, c[0], previous);
@@ -172,7 +198,10 @@ ATTN_AMX void blocks(const uint16_t* W, const uint16_t* pairs, const uint16_t* b
       odd_block<Halves>(w, pairs, steps, stride, ahead, c[1], previous);
     }
   }
-  if (b1 > b0) store<Halves>(c[(b1 - 1) % 2], bias, Y, M, N, (b1 - 1) * kBlock);
+  if (b1 > b0) {
+    const Product& last = product_of(group, count, b1 - 1);
+    store<Halves>(c[(b1 - 1) % 2], last.bias, last.Y, M, last.N, (b1 - 1 - last.first) * kBlock);
+  }
   if (configured != -1) _tile_release();
 }
 
@@ -180,15 +209,20 @@ ATTN_AMX void blocks(const uint16_t* W, const uint16_t* pairs, const uint16_t* b
 
 namespace attn {
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                         at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(__builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16"),
               "attn::amx_linear needs a CPU with AMX-BF16");
   TORCH_CHECK(tiles_permitted(), "attn::amx_linear: Linux refused this process AMX's tile state "
               "(arch_prctl ARCH_REQ_XCOMP_PERM); a kernel before 5.16 cannot grant it");
-  const int64_t M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", kMaxRows, kStep, x, weight, bias);
-  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(!weights.empty() && weights.size() == biases.size() && weights.size() <= 4,
+              "attn::amx_linear takes 1 to 4 weights, each with a bias or none, got ", weights.size(), " and ",
+              biases.size());
+  int64_t M = 0;
+  for (size_t i = 0; i < weights.size(); ++i)
+    M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", kMaxRows, kStep, x, weights[i], biases[i]);
+  const int64_t K = weights[0].size(1);
   const at::Tensor rows = x.contiguous();
-  const at::Tensor shift = bias.has_value() ? bias->contiguous() : at::Tensor();
   // x as B tiles: feature pair p of row m (two bf16, one uint32) at (half, step, p, m % 16);
   // rows past M are zero. One 16 x 16 transpose a (half, step).
   const int halves = M > kBlock ? 2 : 1;
@@ -196,22 +230,34 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   thread_local std::vector<uint32_t> pairs;
   pairs.resize(std::max<size_t>(pairs.size(), halves * steps * kBlock * kBlock));
   repack(reinterpret_cast<const uint32_t*>(rows.data_ptr()), M, K / 2, halves, steps, pairs.data());
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = N;
-  at::Tensor y = at::empty(sizes, x.options());
-  const auto* W = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  std::vector<at::Tensor> outputs, shifts;
+  Product group[4];
+  int64_t count = 0;  // blocks in all
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t N = weights[i].size(0);
+    std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+    sizes.back() = N;
+    outputs.push_back(at::empty(sizes, x.options()));
+    shifts.push_back(biases[i].has_value() ? biases[i]->contiguous() : at::Tensor());
+    group[i] = {reinterpret_cast<const uint16_t*>(weights[i].data_ptr()),
+                biases[i].has_value() ? reinterpret_cast<const uint16_t*>(shifts.back().data_ptr()) : nullptr,
+                reinterpret_cast<uint16_t*>(outputs.back().data_ptr()), N, count};
+    count += (N + kBlock - 1) / kBlock;
+  }
   const auto* B = reinterpret_cast<const uint16_t*>(pairs.data());
-  const auto* b = bias.has_value() ? reinterpret_cast<const uint16_t*>(shift.data_ptr()) : nullptr;
-  auto* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t count = (N + kBlock - 1) / kBlock;
+  const int products = static_cast<int>(weights.size());
   at::parallel_for(0, count, /*grain_size=*/4, [&](int64_t b0, int64_t b1) {
     if (halves == 2) {
-      blocks<2>(W, B, b, Y, M, N, K, b0, b1);
+      blocks<2>(group, products, B, M, K, b0, b1);
     } else {
-      blocks<1>(W, B, b, Y, M, N, K, b0, b1);
+      blocks<1>(group, products, B, M, K, b0, b1);
     }
   });
-  return y;
+  return outputs;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return amx_linear_group(x, {weight}, {bias})[0];
 }
 
 }  // namespace attn

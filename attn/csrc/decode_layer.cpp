@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #define ATTN_LAYER __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -167,6 +168,17 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   }
 }
 
+// The products of x by each weight, as `product` computes them; AMX ones in one call (one
+// parallel region, each thread's blocks running from one weight into the next).
+std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights,
+                                 std::vector<c10::optional<at::Tensor>> biases, int64_t amx_from_rows) {
+  if (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows) == Product::kAmx)
+    return attn::amx_linear_group(x, weights, biases);
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < weights.size(); ++i) out.push_back(product(x, weights[i], biases[i], amx_from_rows));
+  return out;
+}
+
 const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_proj", "mlp_norm",
                               "gate_proj", "up_proj", "down_proj", "q_norm", "k_norm"};
 const char* kBiasNames[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
@@ -181,9 +193,8 @@ at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<
   const at::Tensor h0 = x.contiguous();  // (M, 1, e)
   at::Tensor normed = at::empty({M, e}, options);
   rms_norm<T>(h0.data_ptr<T>(), w[0].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
-  at::Tensor q = product(normed, w[1], bias[0], amx_from_rows);  // (M, h * d)
-  at::Tensor k = product(normed, w[2], bias[1], amx_from_rows);  // (M, h_kv * d)
-  const at::Tensor v = product(normed, w[3], bias[2], amx_from_rows);  // (M, h_kv * d)
+  const auto qkv = products(normed, {w[1], w[2], w[3]}, {bias[0], bias[1], bias[2]}, amx_from_rows);
+  const at::Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];  // (M, h * d), (M, h_kv * d), (M, h_kv * d)
   if (w.size() == 11) {  // each head's RMSNorm, before RoPE
     rms_norm<T>(q.data_ptr<T>(), w[9].data_ptr<T>(), q.data_ptr<T>(), M * heads, d, eps);
     rms_norm<T>(k.data_ptr<T>(), w[10].data_ptr<T>(), k.data_ptr<T>(), M * kv_heads, d, eps);
@@ -203,8 +214,8 @@ at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<
   at::Tensor h1 = at::empty({M, e}, options);
   add<T>(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
   rms_norm<T>(h1.data_ptr<T>(), w[5].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
-  at::Tensor gate = product(normed, w[6], c10::nullopt, amx_from_rows);  // (M, hidden)
-  const at::Tensor up = product(normed, w[7], c10::nullopt, amx_from_rows);
+  const auto mlp = products(normed, {w[6], w[7]}, {c10::nullopt, c10::nullopt}, amx_from_rows);
+  const at::Tensor &gate = mlp[0], &up = mlp[1];  // each (M, hidden)
   swiglu<T>(gate.data_ptr<T>(), up.data_ptr<T>(), M * hidden);
   const at::Tensor down = product(gate, w[8], c10::nullopt, amx_from_rows);  // (M, e)
   at::Tensor out = at::empty({M, 1, e}, options);

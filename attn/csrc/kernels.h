@@ -5,7 +5,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
+
+#include <vector>
 
 namespace attn {
 
@@ -17,6 +20,11 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 // y = x W^T (+ bias): x (..., K) bf16 of 1 to 32 rows, K a multiple of 32, with AMX (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// amx_linear of x by up to 4 weights of one K at once (q, k and v; gate and up): one parallel
+// region, x re-laid once, each thread's blocks running from one product into the next.
+std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                         at::ArrayRef<c10::optional<at::Tensor>> biases);
 
 // softmax(scale q k^T, masked) v: q (b, h, s, d), k and v (b, h_kv, L, d), a bool mask that
 // broadcasts to (b, h, s, L); returns (b, h, s, d) contiguous (decode_attention.cpp).
