@@ -209,13 +209,14 @@ class DecoderLayer(nn.Module):
         return self.add_mlp(self.add_attention(x, self.attn.compute(self.attn_norm(x), plan)))
 
     def native_step(self, x: torch.Tensor, plan: PassPlan, rotation: torch.Tensor) -> torch.Tensor:
-        """``forward`` of a decode step as one ``attn::decode_layer`` call: ``x`` (b, 1, e) ->
-        (b, 1, e), this layer's key and value written at ``plan.slots``; ``rotation`` is the
-        plan's, contiguous. Only for a plan whose linears are ``"native"``
-        (``TransformerDecoder.native_layers`` said the layer takes it)."""
+        """``forward`` in a pass whose linears are ``"native"`` (a decode step): ``x`` (b, 1, e)
+        -> (b, 1, e), this layer's key and value written at ``plan.slots``; ``rotation`` is the
+        plan's, contiguous. One ``attn::decode_layer`` call where the layer is the plain one it
+        computes (``native_parts``); else the layer's own modules, so that a hook or an adapter
+        on one of them runs (their products attn's, ``attn.packed``)."""
         parts = self.native_parts()
-        if parts is None or plan.slots is None or plan.mask is None:
-            raise RuntimeError("native_step: this layer or pass is not one attn::decode_layer computes")
+        if parts is None:
+            return self(x, plan)
         weights, biases, eps = parts
         attention = self._modules["attn"]
         cache = attention.kv_cache
@@ -609,12 +610,14 @@ class TransformerDecoder(nn.Module):
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
 
     def native_layers(self, batch_size: int) -> bool:
-        """Does an eager decode step of ``batch_size`` rows run each layer as one call to
+        """Does an eager decode step of ``batch_size`` rows run its layers as calls to
         ``attn::decode_layer`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
         AVX512-BF16 and the kernels build (the first call builds them, ``attn.native``), for a
-        CPU bf16 or fp32 model with caches of its dtype, layers it takes (``DecoderLayer.native_parts``)
-        and rows its products take (``attn.native.native_product``: up to 32 in bf16 with AMX,
-        8 without, 16 in fp32)."""
+        CPU bf16 or fp32 model of the layers it computes (Llama's, with Qwen2's biases, Qwen3's
+        q/k norms, sliding windows; widths of whole vectors), with caches of its dtype, and rows
+        its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 8
+        without, 16 in fp32). A layer with a hook or an adapter on one of its modules runs them
+        in that step (``DecoderLayer.native_step``)."""
         weight = self.tok_embeddings.weight
         caches = self.cache_state.caches
         if not (
@@ -625,7 +628,7 @@ class TransformerDecoder(nn.Module):
         widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
         if any(native_product(batch_size, width, weight.dtype) is None for width in widths):
             return False
-        return decode_layer_available() and all(layer.native_parts() is not None for layer in self.layers)
+        return decode_layer_available()
 
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
         """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
