@@ -168,15 +168,18 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   }
 }
 
-// The products of x by each weight, as `product` computes them; AMX ones in one call (one
-// parallel region, each thread's blocks running from one weight into the next).
+// The products of x by each weight, as `product` computes them, in one call (one parallel
+// region, each thread's blocks running from one weight into the next).
 std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights,
                                  std::vector<c10::optional<at::Tensor>> biases, int64_t amx_from_rows) {
-  if (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows) == Product::kAmx)
-    return attn::amx_linear_group(x, weights, biases);
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < weights.size(); ++i) out.push_back(product(x, weights[i], biases[i], amx_from_rows));
-  return out;
+  switch (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows)) {
+    case Product::kFp32:
+      return attn::fp32_linear_group(x, weights, biases);
+    case Product::kAmx:
+      return attn::amx_linear_group(x, weights, biases);
+    default:
+      return attn::bf16_matvec_group(x, weights, biases);
+  }
 }
 
 const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_proj", "mlp_norm",

@@ -20,7 +20,8 @@
 // best / median of 6 rounds: 32.5 / 43.0 ms against 41.4 / 51.8 (the same loops in C: 27.7-30.2
 // against 37-44). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
 // once (nearest even).
-// Built on first use by attn/native.py, which checks the CPU.
+// Products that share x (a layer's q, k and v; its gate and up) run in one parallel region
+// (attn::decode_layer calls them so). Built on first use by attn/native.py, which checks the CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,7 @@
 #include "linear_checks.h"
 #include "simd.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <utility>
@@ -158,20 +160,42 @@ ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Valu
   }
 }
 
+// One product of a group that shares x: W (N, K) into Y (M, N), plus bias (or null).
+struct Target {
+  const void* W;
+  const void* bias;
+  void* Y;
+  int64_t N;
+};
+
+// The products of x (M, K) by each of a group's weights, in one parallel region: the group's
+// blocks of R outputs are numbered one product after another, and each thread's run of them
+// goes from one product into the next.
 template <typename D, int M>
-void product(const void* W, const void* X, const void* bias, void* Y, int64_t N, int64_t K) {
+void product(const Target* group, int count, const void* X, int64_t K) {
   using V = typename D::Value;
   constexpr int R = D::rows_per_pass(M);
-  const auto *w = static_cast<const V*>(W), *x = static_cast<const V*>(X), *b = static_cast<const V*>(bias);
-  auto* y = static_cast<V*>(Y);
-  const int64_t blocks = N / R;
-  at::parallel_for(0, blocks, /*grain_size=*/64 / R, [&](int64_t b0, int64_t b1) {
-    outputs<D, M, R>(w, x, b, y, N, K, b0 * R, b1 * R);
+  const auto* x = static_cast<const V*>(X);
+  int64_t first[5] = {0};  // product i's blocks are [first[i], first[i + 1])
+  for (int i = 0; i < count; ++i) first[i + 1] = first[i] + group[i].N / R;
+  at::parallel_for(0, first[count], /*grain_size=*/64 / R, [&](int64_t b0, int64_t b1) {
+    for (int i = 0; i < count; ++i) {
+      const int64_t lo = std::max(b0, first[i]), hi = std::min(b1, first[i + 1]);
+      if (lo >= hi) continue;
+      const Target& t = group[i];
+      outputs<D, M, R>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias), static_cast<V*>(t.Y), t.N, K,
+                       (lo - first[i]) * R, (hi - first[i]) * R);
+    }
   });
-  if (N % R != 0) outputs<D, M, 1>(w, x, b, y, N, K, blocks * R, N);  // the last N % R outputs
+  for (int i = 0; i < count; ++i) {  // the last N % R outputs of each
+    const Target& t = group[i];
+    if (t.N % R != 0)
+      outputs<D, M, 1>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias), static_cast<V*>(t.Y), t.N, K,
+                       t.N - t.N % R, t.N);
+  }
 }
 
-using Product = void (*)(const void*, const void*, const void*, void*, int64_t, int64_t);
+using Product = void (*)(const Target*, int, const void*, int64_t);
 
 template <typename D, size_t... I>
 constexpr std::array<Product, sizeof...(I)> products(std::index_sequence<I...>) {
@@ -179,33 +203,61 @@ constexpr std::array<Product, sizeof...(I)> products(std::index_sequence<I...>) 
 }
 
 template <typename D>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t M) {
+std::vector<at::Tensor> linear(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                               at::ArrayRef<c10::optional<at::Tensor>> biases, int64_t M) {
   static constexpr auto kProducts = products<D>(std::make_index_sequence<D::kMaxRows>());
   const at::Tensor rows = x.contiguous();
-  const at::Tensor shift = bias.has_value() ? bias->contiguous() : at::Tensor();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = weight.size(0);
-  at::Tensor y = at::empty(sizes, x.options());
-  kProducts[M - 1](weight.data_ptr(), rows.data_ptr(), bias.has_value() ? shift.data_ptr() : nullptr, y.data_ptr(),
-                   weight.size(0), weight.size(1));
-  return y;
+  std::vector<at::Tensor> outputs, shifts;
+  Target group[4];
+  for (size_t i = 0; i < weights.size(); ++i) {
+    std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+    sizes.back() = weights[i].size(0);
+    outputs.push_back(at::empty(sizes, x.options()));
+    shifts.push_back(biases[i].has_value() ? biases[i]->contiguous() : at::Tensor());
+    group[i] = {weights[i].data_ptr(), biases[i].has_value() ? shifts.back().data_ptr() : nullptr,
+                outputs.back().data_ptr(), weights[i].size(0)};
+  }
+  kProducts[M - 1](group, static_cast<int>(weights.size()), rows.data_ptr(), weights[0].size(1));
+  return outputs;
+}
+
+// Checks a group's weights against x (as check_linear does each) and returns M.
+int64_t check_group(const char* name, at::ScalarType dtype, const char* dtype_name, int64_t max_rows,
+                    const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                    at::ArrayRef<c10::optional<at::Tensor>> biases) {
+  TORCH_CHECK(!weights.empty() && weights.size() == biases.size() && weights.size() <= 4, name,
+              " takes 1 to 4 weights, each with a bias or none, got ", weights.size(), " and ", biases.size());
+  int64_t M = 0;
+  for (size_t i = 0; i < weights.size(); ++i)
+    M = attn::check_linear(name, dtype, dtype_name, max_rows, 1, x, weights[i], biases[i]);
+  return M;
 }
 
 }  // namespace
 
 namespace attn {
 
-at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+std::vector<at::Tensor> bf16_matvec_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::bf16_matvec needs a CPU with AVX512-BF16");
-  const int64_t M = attn::check_linear("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, 1, x, weight, bias);
-  return linear<Bf16>(x, weight, bias, M);
+  const int64_t M = check_group("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, x, weights, biases);
+  return linear<Bf16>(x, weights, biases, M);
+}
+
+std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases) {
+  // Built with the bf16 kernel's instruction set (one template for both): the same CPUs.
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
+  const int64_t M = check_group("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, x, weights, biases);
+  return linear<Fp32>(x, weights, biases, M);
+}
+
+at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return bf16_matvec_group(x, {weight}, {bias})[0];
 }
 
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  // Built with the bf16 kernel's instruction set (one template for both): the same CPUs.
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
-  const int64_t M = attn::check_linear("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, 1, x, weight, bias);
-  return linear<Fp32>(x, weight, bias, M);
+  return fp32_linear_group(x, {weight}, {bias})[0];
 }
 
 }  // namespace attn

@@ -21,6 +21,13 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 // y = x W^T (+ bias): x (..., K) bf16 of 1 to 32 rows, K a multiple of 32, with AMX (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+// bf16_matvec and fp32_linear of x by up to 4 weights of one K at once: one parallel region,
+// each thread's blocks running from one product into the next.
+std::vector<at::Tensor> bf16_matvec_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases);
+std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases);
+
 // amx_linear of x by up to 4 weights of one K at once (q, k and v; gate and up): one parallel
 // region, x re-laid once, each thread's blocks running from one product into the next.
 std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
