@@ -1,5 +1,5 @@
 """Native CPU kernels, built on first use: ``attn::bf16_matvec``, ``attn::fp32_linear``,
-``attn::amx_linear`` and ``attn::decode_attention``.
+``attn::amx_linear``, ``attn::decode_attention`` and ``attn::decode_layer``.
 
 A decode step at a small batch reads every weight once for a few rows, and every cached key and
 value once for a few queries: it is bound by memory reads, and by the instructions between
@@ -28,15 +28,26 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 170 to
   108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8.
 
-The kernels share ``csrc/simd.h`` (shuffles) and ``csrc/linear_checks.h`` (the products' input
-checks); their hash is one of the build's flags, so an edited header rebuilds the extension.
+- ``attn::decode_layer`` (``decode_layer.cpp``): a whole decoder layer's decode step in one call,
+  calling the products and the attention above directly (q, k and v, and gate and up, one AMX
+  call each: ``amx_linear_group``) and doing the work between them (norms, RoPE, the cache write,
+  SiLU, residuals) on the calling thread. An eager decode step runs its layers so on a CPU with
+  AVX512-BF16 (``TransformerDecoder.native_layers``), and ``compile_for_decode`` runs that eager
+  step rather than compile one: the compiled step spent 8-10 of its 26-29 ms at 16 rows in
+  Python, guards and small kernels between its products. 30 layers of the SmolLM2-135M shape at
+  16 bf16 rows: 14.6-15.0 ms, the sum of their kernels.
 
-``compile_for_decode`` calls them where the CPU has their instructions (``bf16_linear_kernel``:
-AVX512-BF16, AMX; ``decode_attention_available()``: AVX-512) and the extension is built.
-The build (torch's C++ extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s
-once per machine and torch release, then loads from torch's extension cache
-(``TORCH_EXTENSIONS_DIR``). Where it cannot be built the step keeps inductor's code, with one
-warning that says why.
+The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
+input checks) and ``csrc/kernels.h`` (the entry points they call in each other); their hash is
+one of the build's flags, so an edited header rebuilds the extension.
+
+Eager decode steps and ``compile_for_decode`` call them where the CPU has their instructions
+(``bf16_linear_kernel``: AVX512-BF16, AMX; ``decode_attention_available()``: AVX-512;
+``decode_layer_available()``: AVX512-BF16) and the extension is built. The build (torch's C++
+extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s once per machine and
+torch release, on the first decode step that asks, then loads from torch's extension cache
+(``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
+inductor's code, with one warning that says why.
 
 Results are fp32 sums rounded to the tensors' dtype once, like the other kernels'; the order of
 the sums differs, so the last bit of an output can.

@@ -458,4 +458,8 @@ def test_python_dash_m_attn_generate_compiled(checkpoint: Path) -> None:
     proc = run_attn("generate", str(checkpoint), "Hello world", "--max-new-tokens", "20", "--compile", timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == _expected(checkpoint, "Hello world", max_new_tokens=20)
-    assert "attn generate: 20 tokens in" in proc.stderr and "; compiled 1 decode graph(s) in" in proc.stderr
+    assert "attn generate: 20 tokens in" in proc.stderr
+    if attn.native._has_avx512_bf16():  # the checkpoint's layers run natively: nothing to compile
+        assert "; decode steps one attn::decode_layer call a layer (attn.native), nothing compiled" in proc.stderr
+    else:
+        assert "; compiled 1 decode graph(s) in" in proc.stderr
