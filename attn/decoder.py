@@ -615,7 +615,7 @@ class TransformerDecoder(nn.Module):
         AVX512-BF16 and the kernels build (the first call builds them, ``attn.native``), for a
         CPU bf16 or fp32 model of the layers it computes (Llama's, with Qwen2's biases, Qwen3's
         q/k norms, sliding windows; widths of whole vectors), with caches of its dtype, and rows
-        its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 8
+        its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 16
         without, 16 in fp32). A layer with a hook or an adapter on one of its modules runs them
         in that step (``DecoderLayer.native_step``)."""
         weight = self.tok_embeddings.weight

@@ -10,6 +10,8 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   rows and prefetched. The 30 layers' products of the SmolLM2-135M shape, 2 threads, Xeon
   6/167: 9.0 ms at one row (24 GB/s), 11.1 at 4, 14.4 at 8, against 14.7-16.3 for inductor's
   reductions and ``torch.mv`` at one row and 15.5 for oneDNN on packed weights at any of those.
+  Past 8 rows, two passes (as ``attn::fp32_linear``), for CPUs without AMX: AMD EPYC (Zen 4),
+  the 30 layers and the head, 15.7-17.6 ms at 16 rows against 30.5-35.5 for ``F.linear``.
 - ``attn::fp32_linear`` (same file, same loop with FMAs): fp32 products of 1 to
   ``FP32_LINEAR_MAX_ROWS`` rows; ``compile_for_decode`` gives it those past its ``max_rows``
   (inductor's reductions are as fast below). Past 8 rows, two passes of 3 weight rows (rows 0-7,
@@ -82,15 +84,16 @@ __all__ = [
     "native_product",
 ]
 
-BF16_MATVEC_MAX_ROWS = 8
-"""Most rows of x ``attn::bf16_matvec`` takes (the kernel's ``kMaxRows``). At 16 rows oneDNN's
-product on packed weights, with AMX, was the faster: 15.8 against 25.3 ms for the 30 layers."""
+BF16_MATVEC_MAX_ROWS = 16
+"""Most rows of x ``attn::bf16_matvec`` takes (``kBf16MatvecMaxRows`` in ``csrc/kernels.h``). Where
+the CPU has AMX, ``attn::amx_linear`` takes ``AMX_FROM_ROWS`` rows and more."""
 
 FP32_LINEAR_MAX_ROWS = 16
-"""Most rows of x ``attn::fp32_linear`` takes (past 8, two passes: rows 0-7, then the rest)."""
+"""Most rows of x ``attn::fp32_linear`` takes (``kFp32LinearMaxRows``; past 8, two passes: rows
+0-7, then the rest)."""
 
 AMX_LINEAR_MAX_ROWS = 32
-"""Most rows of x ``attn::amx_linear`` takes (two tiles of 16)."""
+"""Most rows of x ``attn::amx_linear`` takes (``kAmxLinearMaxRows``: two tiles of 16)."""
 
 AMX_FROM_ROWS = 5
 """Fewest rows that go to ``attn::amx_linear`` where the CPU has AMX: at 1 and 2 rows

@@ -613,10 +613,8 @@ _FAMILIES = {
 
 
 def _native_cases() -> list[tuple[torch.dtype, int, str]]:
-    cases = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16), (torch.bfloat16, 1), (torch.bfloat16, 3)]
-    cases.append((torch.bfloat16, 8))
-    if attn.native._has_amx():  # bf16 past 8 rows: AMX products only
-        cases.append((torch.bfloat16, 16))
+    cases = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16)]
+    cases += [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 8), (torch.bfloat16, 16)]
     return [(dtype, batch, family) for dtype, batch in cases for family in _FAMILIES]
 
 

@@ -151,10 +151,10 @@ _BF16 = {"dtype": torch.bfloat16}
         _bad("bf16_matvec", torch.ones(1, 8), torch.ones(4, 8), None, "takes bf16 tensors", needs_bf16_matvec),
         _bad(
             "bf16_matvec",
-            torch.ones(9, 8, **_BF16),
+            torch.ones(BF16_MATVEC_MAX_ROWS + 1, 8, **_BF16),
             torch.ones(4, 8, **_BF16),
             None,
-            "1 to 8 rows of x, got 9",
+            f"1 to {BF16_MATVEC_MAX_ROWS} rows of x, got {BF16_MATVEC_MAX_ROWS + 1}",
             needs_bf16_matvec,
         ),
         _bad(
@@ -585,12 +585,12 @@ def _swap(items, index, value):
         ({"k_cache": lambda c: c["k_cache"][:1]}, r"the caches must be \(b, h_kv, L, d\) with x's 2 rows"),
         (
             {
-                "x": lambda c: torch.zeros(9, 1, 32, dtype=torch.bfloat16),
-                "k_cache": lambda c: torch.zeros(9, 1, 8, 16, dtype=torch.bfloat16),
-                "v_cache": lambda c: torch.zeros(9, 1, 8, 16, dtype=torch.bfloat16),
+                "x": lambda c: torch.zeros(17, 1, 32, dtype=torch.bfloat16),
+                "k_cache": lambda c: torch.zeros(17, 1, 8, 16, dtype=torch.bfloat16),
+                "v_cache": lambda c: torch.zeros(17, 1, 8, 16, dtype=torch.bfloat16),
                 "amx_from_rows": lambda c: 0,
             },
-            "9 rows are more than its BFloat16 products of 32 features take",
+            r"17 rows are more than its BFloat16 products of 32 features take \(16\)",
         ),
     ],
 )

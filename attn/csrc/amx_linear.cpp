@@ -46,7 +46,6 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 32;     // two tiles of 16 rows of x
 constexpr int64_t kBlock = 16;       // outputs a tile
 constexpr int64_t kStep = 32;        // features a tile
 constexpr int64_t kAheadBlocks = 8;  // prefetch distance, in blocks of 16 weight rows
@@ -220,7 +219,7 @@ std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::T
               biases.size());
   int64_t M = 0;
   for (size_t i = 0; i < weights.size(); ++i)
-    M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", kMaxRows, kStep, x, weights[i], biases[i]);
+    M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", attn::kAmxLinearMaxRows, kStep, x, weights[i], biases[i]);
   const int64_t K = weights[0].size(1);
   const at::Tensor rows = x.contiguous();
   // x as B tiles: feature pair p of row m (two bf16, one uint32) at (half, step, p, m % 16);

@@ -288,7 +288,9 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::
   const int64_t features[] = {e, qd, hidden};
   for (const int64_t k : features) {
     const Product kind = product_for(dtype, M, k, amx_from_rows);
-    const int64_t most = kind == Product::kFp32 ? 16 : kind == Product::kAmx ? 32 : 8;
+    const int64_t most = kind == Product::kFp32  ? attn::kFp32LinearMaxRows
+                         : kind == Product::kAmx ? attn::kAmxLinearMaxRows
+                                                 : attn::kBf16MatvecMaxRows;
     TORCH_CHECK(M <= most, "attn::decode_layer: ", M, " rows are more than its ", dtype, " products of ", k,
                 " features take (", most, "); F.linear is the product for more");
   }

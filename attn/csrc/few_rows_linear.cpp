@@ -1,24 +1,28 @@
 // attn::bf16_matvec and attn::fp32_linear: y = x W^T (+ bias) for a few rows x (M, K) and a
 // weight W (N, K) as it is stored, with AVX-512 dot products that keep every row's sums in
 // registers: bf16 with AVX512-BF16's vdpbf16ps (two bf16 products a fp32 lane an
-// instruction, which inductor's code cannot emit), 1 to 8 rows; fp32 with FMAs, 1 to 16 rows.
+// instruction, which inductor's code cannot emit), fp32 with FMAs; 1 to 16 rows each.
 //
 // A decode step at a small batch reads every weight once: it is bound by memory reads. Each
 // pass over a step of features (32 bf16, 16 fp32) loads R weight rows once and multiplies them
 // into M input rows (M x R accumulators of 16 fp32 lanes, at most 24, so they fit in the
 // registers with the loads), prefetching the weight rows ahead; the M x R sums are then folded
 // 16 at a time with one shuffle tree (attn::sum_each). Up to 8 rows one pass takes them all.
-// Past 8 (fp32, 9 to 16 rows) a pass takes rows 0-7 and a second the rest, 3 weight rows at a
-// time read again from L1: 11 loads for 24 products, where one weight row into all 16 rows took
-// 17 for 16 and ran out of load ports before memory ran dry. Each pass prefetches half of the
-// weight rows 6 ahead into L2, so memory is read through both.
+// Past 8 a pass takes rows 0-7 and a second the rest, 3 weight rows at a time read again from
+// L1: 11 loads for 24 products, where one weight row into all 16 rows took 17 for 16 and ran
+// out of load ports before memory ran dry. Each pass prefetches half of the weight rows 6 ahead
+// into L2, so memory is read through both.
 //
 // The 30 layers' products of the SmolLM2-135M shape on 2 threads of a Xeon 6/167: bf16 9.0 ms at
 // one row, 10.0 at 2, 11.1 at 4, 14.4 at 8, against 15.5 for oneDNN's product on packed weights
 // and 21-22 for F.linear at any of those. fp32 at 16 rows, the 30 layers and the head (weights
 // read from memory), against one weight row a pass, both built in one process and run in turn,
 // best / median of 6 rounds: 32.5 / 43.0 ms against 41.4 / 51.8 (the same loops in C: 27.7-30.2
-// against 37-44). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
+// against 37-44). bf16 past 8 rows is for CPUs without AMX (attn::amx_linear takes 5 to 32 rows
+// where there is AMX): on an AMD EPYC (Zen 4), 2 threads, the 30 layers and the head, best of
+// 16, 15.7-17.6 ms at 16 rows and 13.0-13.5 at 12 against 30.5-35.5 and 27.8-28.2 for F.linear
+// (oneDNN) in the same runs; at 5 to 8 rows 3 weight rows a pass (15.1-16.4 ms at 8) beat 2
+// (16.8-17.3). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
 // once (nearest even).
 // Products that share x (a layer's q, k and v; its gate and up) run in one parallel region
 // (attn::decode_layer calls them so). Built on first use by attn/native.py, which checks the CPU.
@@ -52,8 +56,8 @@ struct Bf16 {
   using Mask = __mmask32;
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
-  static constexpr int64_t kMaxRows = 8;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : 2; }  // weight rows a pass
+  static constexpr int64_t kMaxRows = attn::kBf16MatvecMaxRows;
+  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : 3; }  // > 8: two passes
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? (__m512bh)_mm512_maskz_loadu_epi16(tail, p) : (__m512bh)_mm512_loadu_si512(p);
   }
@@ -68,7 +72,7 @@ struct Fp32 {
   using Mask = __mmask16;
   static constexpr int64_t kStep = 16;
   static constexpr int64_t kAhead = 8;
-  static constexpr int64_t kMaxRows = 16;
+  static constexpr int64_t kMaxRows = attn::kFp32LinearMaxRows;
   static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 3; }  // > 8: two passes
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);

@@ -12,7 +12,12 @@
 
 namespace attn {
 
-// y = x W^T (+ bias): x (..., K) bf16 of 1 to 8 rows (few_rows_linear.cpp).
+// Most rows of x each product takes (attn/native.py's *_MAX_ROWS say the same).
+constexpr int64_t kBf16MatvecMaxRows = 16;
+constexpr int64_t kFp32LinearMaxRows = 16;
+constexpr int64_t kAmxLinearMaxRows = 32;  // two tiles of 16 rows of x
+
+// y = x W^T (+ bias): x (..., K) bf16 of 1 to 16 rows (few_rows_linear.cpp).
 at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // y = x W^T (+ bias): x (..., K) fp32 of 1 to 16 rows (few_rows_linear.cpp).
