@@ -280,7 +280,7 @@ class DecodeCompileStats:
     all graphs and their regions (a layer's count once when its region serves every layer)."""
     linears_native: int = 0
     """Of the rewritten linears, those that call a native kernel (``attn.native``): bf16
-    products of at most 8 rows on a CPU with AVX512-BF16 (``attn::bf16_matvec``), or of 5 to
+    products of at most 16 rows on a CPU with AVX512-BF16 (``attn::bf16_matvec``), or of 5 to
     32 on one with AMX (``attn::amx_linear``); fp32 ones of ``max_rows`` + 1 to 16 rows
     (``attn::fp32_linear``)."""
     linears_packed: int = 0
@@ -310,7 +310,7 @@ def _rewrite_small_linears(
 ) -> tuple[list[tuple[int, torch.dtype]], int, int]:
     """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``; with
     ``native``, a bf16 one that a native kernel takes (``attn.native.bf16_linear_kernel``: up
-    to 8 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel, and an fp32 one
+    to 16 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel, and an fp32 one
     of more than ``max_rows`` and at most 16 rows at ``attn::fp32_linear``; but with
     ``packed`` (the model asked for packed decode) every linear of more than ``max_rows``
     rows at ``attn.packed.packed_linear``.
@@ -719,7 +719,7 @@ def compile_for_decode(
             CPUs with AVX-512, where it measured faster.
         native: attn's C++ kernels, built on first use (``attn.native``): attention calls
             ``attn::decode_attention`` (AVX-512); bf16 linears of 5 to 32 rows
-            ``attn::amx_linear`` (AMX), and of at most 8 rows (fewer than 5 with AMX)
+            ``attn::amx_linear`` (AMX), and of at most 16 rows (fewer than 5 with AMX)
             ``attn::bf16_matvec`` (AVX512-BF16 dot products), whatever ``max_rows``; fp32 linears of more than
             ``max_rows`` and at most 16 rows ``attn::fp32_linear`` (AVX512-BF16 CPUs), where
             the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and

@@ -137,7 +137,7 @@ ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename 
 }
 
 // Outputs [n0, n1) of every row, R at a time ((n1 - n0) is a multiple of R). Up to 8 rows, one
-// pass multiplies each weight row into all of them; past 8 (fp32), a pass takes rows 0-7 and a
+// pass multiplies each weight row into all of them; past 8, a pass takes rows 0-7 and a
 // second the rest, the weight rows read again from L1, so that a step loads R weight vectors and
 // 8 of x for 8 R products (0.46 loads a product at R = 3, against 1.06 for one weight row into
 // 16 rows). Each pass prefetches half of the next rows, into L2: memory stays busy in both.
