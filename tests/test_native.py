@@ -59,7 +59,7 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
 
 @needs_bf16_matvec
 @given(
-    outputs=st.integers(1, 70),  # blocks of 4 or 2 weight rows, and the rest
+    outputs=st.integers(1, 70),  # blocks of 4 or 3 weight rows, and the rest
     features=st.integers(1, 140),  # 32 features a dot-product step, and a masked tail
     rows=st.integers(1, BF16_MATVEC_MAX_ROWS),
     layout=_LAYOUTS,
