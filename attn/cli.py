@@ -384,7 +384,7 @@ def _run_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     timing = f"{stream.count} tokens in {seconds:.2f} s ({stream.count / seconds:.1f} tok/s)"
     timing += f"; prompt {len(ids)} tokens, first token after {first:.2f} s"
     if fast is not None and fast.stats.native_steps and not fast.stats.graphs:
-        timing += "; decode steps one attn::decode_layer call a layer (attn.native), nothing compiled"
+        timing += "; decode steps run their layers as attn::decode_layers calls (attn.native), nothing compiled"
     elif fast is not None:
         timing += f"; compiled {fast.stats.graphs} decode graph(s) in {fast.stats.compile_seconds:.1f} s"
     print(f"attn generate: {timing}", file=sys.stderr)

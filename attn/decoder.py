@@ -23,7 +23,8 @@ from torch import nn
 from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
-from attn.native import amx_from_rows, decode_layer_available, native_product
+from attn.native import decode_layers_available, native_product
+from attn.native_step import NativeStep, global_hooks
 from attn.norm import RMSNorm
 from attn.packed import Linear, linear, packed_decode_available, packed_linears, plain_onednn_faster
 from attn.parity import ParityKernels
@@ -208,51 +209,32 @@ class DecoderLayer(nn.Module):
         """``x`` (b, s, e) -> (b, s, e), computed as ``plan`` says (``attn.plan``)."""
         return self.add_mlp(self.add_attention(x, self.attn.compute(self.attn_norm(x), plan)))
 
-    def native_step(self, x: torch.Tensor, plan: PassPlan, rotation: torch.Tensor) -> torch.Tensor:
-        """``forward`` in a pass whose linears are ``"native"`` (a decode step): ``x`` (b, 1, e)
-        -> (b, 1, e), this layer's key and value written at ``plan.slots``; ``rotation`` is the
-        plan's, contiguous. One ``attn::decode_layer`` call where the layer is the plain one it
-        computes (``native_parts``); else the layer's own modules, so that a hook or an adapter
-        on one of them runs (their products attn's, ``attn.packed``)."""
-        parts = self.native_parts()
-        if parts is None:
-            return self(x, plan)
-        weights, biases, eps = parts
-        attention = self._modules["attn"]
-        cache = attention.kv_cache
-        scale = attention.head_dim**-0.5 if attention.scale is None else attention.scale
-        return torch.ops.attn.decode_layer(
-            x,
-            weights,
-            biases,
-            cache.k_cache,
-            cache.v_cache,
-            plan.slots,
-            plan.mask,
-            rotation,
-            eps,
-            scale,
-            amx_from_rows(),
-        )
-
-    def native_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], float] | None:
-        """The weights (norm, q, k, v, o, norm, gate, up, down, and the q and k norms where the
-        layer has them), biases (q, k, v, o) and norm epsilon ``attn::decode_layer`` takes for
-        this layer; ``None`` where the layer is not the plain one it computes: a hook on one of
-        its modules (FSDP2's), a projection that is not attn's ``Linear`` (peft's LoRA layers), a
-        weight that is not a plain contiguous tensor (a DTensor), norms of two epsilons or
-        Gemma's ``1 + w``, a biased MLP. Read from the modules' own dicts: every decode step asks
-        (about 4 us a layer)."""
+    def native_modules(self) -> tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]:
+        """The modules ``native_parts`` reads: ``(containers, leaves)``, the containers the layer,
+        its attention and its MLP, the leaves its norms (attn_norm, mlp_norm, and q_norm,
+        k_norm where it has them) then its seven projections (q, k, v, o, gate, up, down)."""
         attention, mlp = self._modules["attn"], self._modules["mlp"]
         inner, outer = attention._modules, mlp._modules
+        norms = (self._modules["attn_norm"], self._modules["mlp_norm"])
+        if inner.get("q_norm") is not None:  # Qwen3: each head's queries and keys
+            norms += (inner["q_norm"], inner["k_norm"])
         projections = (
             inner["q_proj"], inner["k_proj"], inner["v_proj"], inner["o_proj"],
             outer["gate_proj"], outer["up_proj"], outer["down_proj"],
         )  # fmt: skip
-        norms = (self._modules["attn_norm"], self._modules["mlp_norm"])
-        if attention.q_norm is not None:  # Qwen3: each head's queries and keys
-            norms += (inner["q_norm"], inner["k_norm"])
-        for module in (self, attention, mlp, *norms, *projections):
+        return (self, attention, mlp), norms + projections
+
+    def native_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], float] | None:
+        """The weights (norm, q, k, v, o, norm, gate, up, down, and the q and k norms where the
+        layer has them), biases (q, k, v, o) and norm epsilon ``attn::decode_layers`` takes for
+        this layer; ``None`` where the layer is not the plain one it computes: a hook on one of
+        its modules (FSDP2's), a projection that is not attn's ``Linear`` (peft's LoRA layers), a
+        weight that is not a plain contiguous tensor (a DTensor, a parametrization), norms of
+        two epsilons or Gemma's ``1 + w``, a biased MLP. ``attn.native_step.NativeStep`` asks
+        once, and again after any change to what ``native_modules`` names."""
+        containers, leaves = self.native_modules()
+        norms, projections = leaves[:-7], leaves[-7:]
+        for module in containers + leaves:
             if module._forward_hooks or module._forward_pre_hooks:
                 return None
         for projection in projections:
@@ -261,15 +243,15 @@ class DecoderLayer(nn.Module):
         for norm in norms:
             if type(norm) is not RMSNorm or norm.unit_offset or norm.eps != norms[0].eps:
                 return None
-        weights = [norms[0]._parameters["weight"]]
-        weights += [p._parameters["weight"] for p in projections[:4]]
-        weights.append(norms[1]._parameters["weight"])
-        weights += [p._parameters["weight"] for p in projections[4:]]
-        weights += [norm._parameters["weight"] for norm in norms[2:]]
+        weights = [norms[0]._parameters.get("weight")]
+        weights += [p._parameters.get("weight") for p in projections[:4]]
+        weights.append(norms[1]._parameters.get("weight"))
+        weights += [p._parameters.get("weight") for p in projections[4:]]
+        weights += [norm._parameters.get("weight") for norm in norms[2:]]
         for weight in weights:
             if type(weight) not in _PLAIN_TENSORS or not weight.is_contiguous():
                 return None
-        biases = [p._parameters["bias"] for p in projections]
+        biases = [p._parameters.get("bias") for p in projections]
         if biases[4] is not None or biases[5] is not None or biases[6] is not None:
             return None
         return weights, biases[:4], norms[0].eps
@@ -323,7 +305,7 @@ class TransformerDecoder(nn.Module):
         self._plan_local = (config.sliding_window, windowed_rope) if local else None
         self.norm = RMSNorm(config.embed_dim, config.norm_eps, unit_offset=config.unit_offset_norms)
         self.output = None if config.tie_embeddings else Linear(config.embed_dim, config.vocab_size, bias=False)
-        # The layers attn::decode_layer computes: Llama's, with Qwen2's biases, Qwen3's q/k norms and
+        # The layers attn::decode_layers computes: Llama's, with Qwen2's biases, Qwen3's q/k norms and
         # Mistral's windows; none of Gemma's options; widths its vectors take whole.
         self._native_config = (
             not (config.sandwich_norms or config.unit_offset_norms or config.attn_softcap)
@@ -333,6 +315,7 @@ class TransformerDecoder(nn.Module):
             and config.embed_dim % 16 == 0
             and config.hidden_dim % 16 == 0
         )
+        self._native_step: NativeStep | None = None  # built on the first native decode step (_logits)
         self.parity = False  # parity mode (attn.parity): set it with attn.set_parity_mode
         self.packed_decode = False  # packed decode (attn.packed): set it with attn.set_packed_decode
 
@@ -376,6 +359,7 @@ class TransformerDecoder(nn.Module):
         dtype, device = dtype or weight.dtype, device or weight.device
         caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]  # allocate all,
         self.cache_state.attach(caches)  # then replace: no layer is left half set up
+        self._native_step = None  # it holds the old caches' modules
         for attention, cache in zip(layers, caches, strict=True):
             attention.kv_cache = cache
 
@@ -450,6 +434,7 @@ class TransformerDecoder(nn.Module):
         """Removes the caches; forward passes run plain causal attention afterwards."""
         check_holder(self.cache_state)
         self.cache_state.detach()
+        self._native_step = None  # it holds the caches' modules
         for attention in self._attention():
             attention.kv_cache = None
 
@@ -583,7 +568,7 @@ class TransformerDecoder(nn.Module):
             linears = "exact" if self.parity else "default"
         if linears == "exact":
             return ParityKernels()
-        # "native": the layers are attn::decode_layer calls (_logits); the output layer's product is attn's.
+        # "native": the layers are attn::decode_layers calls (_logits); the output layer's product is attn's.
         return contextlib.nullcontext() if linears == "default" else packed_linears(linears)
 
     def linear_kernels(self, use_cache: bool, num_tokens: int, batch_size: int) -> Linears:
@@ -611,13 +596,13 @@ class TransformerDecoder(nn.Module):
 
     def native_layers(self, batch_size: int) -> bool:
         """Does an eager decode step of ``batch_size`` rows run its layers as calls to
-        ``attn::decode_layer`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
+        ``attn::decode_layers`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
         AVX512-BF16 and the kernels build (the first call builds them, ``attn.native``), for a
         CPU bf16 or fp32 model of the layers it computes (Llama's, with Qwen2's biases, Qwen3's
         q/k norms, sliding windows; widths of whole vectors), with caches of its dtype, and rows
         its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 16
         without, 16 in fp32). A layer with a hook or an adapter on one of its modules runs them
-        in that step (``DecoderLayer.native_step``)."""
+        in that step (``attn.native_step``)."""
         weight = self.tok_embeddings.weight
         caches = self.cache_state.caches
         if not (
@@ -628,7 +613,7 @@ class TransformerDecoder(nn.Module):
         widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
         if any(native_product(batch_size, width, weight.dtype) is None for width in widths):
             return False
-        return decode_layer_available()
+        return decode_layers_available()
 
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
         """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
@@ -650,10 +635,11 @@ class TransformerDecoder(nn.Module):
     def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
         local = plan.local or plan
         h = self.embed(tokens)  # (b, s, e)
-        if plan.linears == "native":
-            rotations = plan.rotation.contiguous(), local.rotation.contiguous()
-            for i, layer in enumerate(self.layers):
-                h = layer.native_step(h, *((local, rotations[1]) if self.local_layers[i] else (plan, rotations[0])))
+        if plan.linears == "native" and not global_hooks():
+            step = self._native_step
+            if step is None or not step.current():
+                step = self._native_step = NativeStep(self.layers, self.local_layers)
+            h = step(h, plan, (plan.rotation.contiguous(), local.rotation.contiguous()))
         else:
             for i, layer in enumerate(self.layers):
                 h = layer(h, local if self.local_layers[i] else plan)

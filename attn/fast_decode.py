@@ -25,9 +25,10 @@ linears of ``max_rows`` + 1 to 16 rows call ``attn::fp32_linear`` instead of MKL
 CPU with AVX-512, attention calls ``attn::decode_attention``, a C++ kernel with a vectorized
 softmax: the reductions ran at about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
 
-Native layers: on a CPU with AVX512-BF16, a model whose layers ``attn::decode_layer`` computes
-(Llama's, with Qwen2's biases, Qwen3's q/k norms and sliding windows) runs each layer of an
-eager decode step as one C++ call (``TransformerDecoder.native_layers``, ``attn.native``). That
+Native layers: on a CPU with AVX512-BF16, a model whose layers ``attn::decode_layers`` computes
+(Llama's, with Qwen2's biases, Qwen3's q/k norms and sliding windows) runs the layers of an
+eager decode step as C++ calls, one for all of them where none has a hook or an adapter
+(``TransformerDecoder.native_layers``, ``attn.native_step``). That
 step was as fast as the compiled one or faster (SmolLM2-135M shape, Xeon 6/167, 2 threads: bf16
 16 rows 708 against 711 tok/s, 8 rows 400 against 404, batch 1 68 against 71; fp32 16 rows 337
 against 339, all within the runs' spread) and compiles nothing, so ``compile_for_decode`` runs
@@ -293,8 +294,8 @@ class DecodeCompileStats:
     """Of the rewritten attention calls, those that call ``attn::decode_attention`` (a CPU with
     AVX-512, head dims a multiple of 16: ``attn.native``)."""
     native_steps: int = 0
-    """Cached steps that ran the model's eager step, each layer one ``attn::decode_layer``
-    call, instead of a compiled graph (``compile_for_decode(native_layers=True)``)."""
+    """Cached steps that ran the model's eager step, its layers ``attn::decode_layers``
+    calls, instead of a compiled graph (``compile_for_decode(native_layers=True)``)."""
     compile_seconds: float = 0.0
     """Wall time spent in inductor, over all graphs."""
     vector_bits: int | None = None
@@ -614,8 +615,8 @@ class DecodeCompiled(nn.Module):
         return self.native or decode_attention_available()  # True: compile_for_decode built them already
 
     def _runs_native_layers(self, batch_size: int) -> bool:
-        """Does a cached step of ``batch_size`` rows run the model's eager step, each layer one
-        ``attn::decode_layer`` call (``TransformerDecoder.native_layers``), rather than compile?
+        """Does a cached step of ``batch_size`` rows run the model's eager step, its layers
+        ``attn::decode_layers`` calls (``TransformerDecoder.native_layers``), rather than compile?
         Unless ``native_layers`` or ``native`` is False."""
         return self.native_layers and self.native is not False and self.rewrite and self.model.native_layers(batch_size)
 
@@ -725,8 +726,8 @@ def compile_for_decode(
             the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and
             the build succeeds (else one warning and inductor's code), ``True`` to require
             the build (its error if not), ``False`` for inductor's code.
-        native_layers: cached steps the model's eager step runs as one ``attn::decode_layer``
-            call a layer (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, a
+        native_layers: cached steps the model's eager step runs as ``attn::decode_layers``
+            calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, a
             Llama-style model, rows its products take) run so, and compile nothing: that step
             was faster than the compiled one (``docs/performance.md``). ``False`` compiles
             every step (as ``native=False`` and ``rewrite_linears=False`` do).

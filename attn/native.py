@@ -1,5 +1,5 @@
 """Native CPU kernels, built on first use: ``attn::bf16_matvec``, ``attn::fp32_linear``,
-``attn::amx_linear``, ``attn::decode_attention`` and ``attn::decode_layer``.
+``attn::amx_linear``, ``attn::decode_attention`` and ``attn::decode_layers``.
 
 A decode step at a small batch reads every weight once for a few rows, and every cached key and
 value once for a few queries: it is bound by memory reads, and by the instructions between
@@ -30,14 +30,15 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 170 to
   108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8.
 
-- ``attn::decode_layer`` (``decode_layer.cpp``): a whole decoder layer's decode step in one call,
-  calling the products and the attention above directly (q, k and v, and gate and up, one AMX
-  call each: ``amx_linear_group``) and doing the work between them (norms, RoPE, the cache write,
-  SiLU, residuals) on the calling thread. An eager decode step runs its layers so on a CPU with
-  AVX512-BF16 (``TransformerDecoder.native_layers``), and ``compile_for_decode`` runs that eager
-  step rather than compile one: the compiled step spent 8-10 of its 26-29 ms at 16 rows in
-  Python, guards and small kernels between its products. 30 layers of the SmolLM2-135M shape at
-  16 bf16 rows: 14.6-15.0 ms, the sum of their kernels.
+- ``attn::decode_layers`` (``decode_layers.cpp``): a run of decoder layers' decode step in one
+  call, calling the products and the attention above directly (q, k and v, and gate and up, one
+  call each: ``*_group``) and doing the work between them (norms, RoPE, the cache write, SiLU,
+  residuals) on the calling thread. An eager decode step runs its layers so on a CPU with
+  AVX512-BF16 (``TransformerDecoder.native_layers``, ``attn.native_step``), and
+  ``compile_for_decode`` runs that eager step rather than compile one: the compiled step spent
+  8-10 of its 26-29 ms at 16 rows in Python, guards and small kernels between its products. 30
+  layers of the SmolLM2-135M shape at 16 bf16 rows: 14.6-15.0 ms, the sum of their kernels (one
+  call a layer, as the op first was; all 30 in one call took 0.4 ms less a step at batch 1).
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
 input checks) and ``csrc/kernels.h`` (the entry points they call in each other); their hash is
@@ -45,7 +46,7 @@ one of the build's flags, so an edited header rebuilds the extension.
 
 Eager decode steps and ``compile_for_decode`` call them where the CPU has their instructions
 (``bf16_linear_kernel``: AVX512-BF16, AMX; ``decode_attention_available()``: AVX-512;
-``decode_layer_available()``: AVX512-BF16) and the extension is built. The build (torch's C++
+``decode_layers_available()``: AVX512-BF16) and the extension is built. The build (torch's C++
 extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s once per machine and
 torch release, on the first decode step that asks, then loads from torch's extension cache
 (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
@@ -77,7 +78,7 @@ __all__ = [
     "bf16_matvec_available",
     "build_native",
     "decode_attention_available",
-    "decode_layer_available",
+    "decode_layers_available",
     "fp32_linear_available",
     "amx_from_rows",
     "native_head_dim",
@@ -102,7 +103,7 @@ row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [
-    str(_CSRC / name) for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp", "decode_layer.cpp")
+    str(_CSRC / name) for name in ("few_rows_linear.cpp", "amx_linear.cpp", "decode_attention.cpp", "decode_layers.cpp")
 ]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
 
@@ -120,7 +121,7 @@ _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale) -> Tensor")
 _LIBRARY.define(
-    "decode_layer(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
     "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows) -> Tensor"
 )
 
@@ -143,7 +144,7 @@ def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
     return call
 
 
-for _name in ("bf16_matvec", "fp32_linear", "amx_linear", "decode_attention", "decode_layer"):
+for _name in ("bf16_matvec", "fp32_linear", "amx_linear", "decode_attention", "decode_layers"):
     _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
 
 
@@ -167,7 +168,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor
     return q.new_empty(q.shape)  # (b, h, s, d), contiguous
 
 
-@torch.library.register_fake("attn::decode_layer")
+@torch.library.register_fake("attn::decode_layers")
 def _(x: torch.Tensor, *args: object) -> torch.Tensor:
     return x.new_empty(x.shape)  # (b, 1, e)
 
@@ -308,8 +309,8 @@ def decode_attention_available() -> bool:
     return _built_here()
 
 
-def decode_layer_available() -> bool:
-    """Can ``attn::decode_layer`` run here? A CPU with AVX512-BF16 (its products need it), and
+def decode_layers_available() -> bool:
+    """Can ``attn::decode_layers`` run here? A CPU with AVX512-BF16 (its products need it), and
     the extension built (on the first call; a failed build warns once and answers no)."""
     return bf16_matvec_available()
 
@@ -327,7 +328,7 @@ def native_product(rows: int, features: int, dtype: torch.dtype) -> torch._ops.O
 
 @functools.cache
 def amx_from_rows() -> int:
-    """What ``attn::decode_layer`` is told of AMX: bf16 products take it from ``AMX_FROM_ROWS``
+    """What ``attn::decode_layers`` is told of AMX: bf16 products take it from ``AMX_FROM_ROWS``
     rows (features a multiple of 32) where it runs here, as ``bf16_linear_kernel`` chooses; 0:
     never."""
     return AMX_FROM_ROWS if amx_linear_available() else 0

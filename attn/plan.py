@@ -36,8 +36,8 @@ Linears = Literal["default", "onednn", "packed", "matvec", "native", "exact"]
 oneDNN's product on fp32 weights as they are (eager decode steps on AMD CPUs); ``packed``, on weights
 pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``matvec``,
 matrix-vector products (eager bf16 decode steps of one row on the CPU); ``native``, each
-decoder layer in one call to ``attn::decode_layer`` and the output layer by attn's few-row
-products (eager decode steps on a CPU with AVX512-BF16, of models whose layers it takes:
+run of decoder layers in one call to ``attn::decode_layers`` (``attn.native_step``) and the
+output layer by attn's few-row products (eager decode steps on a CPU with AVX512-BF16, of models whose layers it takes:
 ``TransformerDecoder.native_layers``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
 
 

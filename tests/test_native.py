@@ -1,6 +1,7 @@
-"""attn.native: the few-row bf16 kernels ``attn::bf16_matvec`` and ``attn::amx_linear`` and the
-few-query attention kernel ``attn::decode_attention`` against float64 references, their errors, and what happens where
-they cannot be built."""
+"""attn.native: the few-row bf16 kernels ``attn::bf16_matvec`` and ``attn::amx_linear``, the
+few-query attention kernel ``attn::decode_attention`` and the decoder layers' step
+``attn::decode_layers`` against float64 references, their errors, and what happens where they
+cannot be built."""
 
 from __future__ import annotations
 
@@ -398,7 +399,7 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
         attn.native._built_here.cache_clear()
 
 
-# -- attn::decode_layer ------------------------------------------------------------------------
+# -- attn::decode_layers -----------------------------------------------------------------------
 
 _LAYER_WEIGHTS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
 
@@ -466,6 +467,7 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
 @given(
     dtype=st.sampled_from(["fp32", "bf16"]),
     batch=st.sampled_from([1, 2, 3, 5, 8, 9, 16]),  # bf16 from 5: AMX, q/k/v and gate/up in one call each
+    num_layers=st.integers(1, 3),
     kv_heads=st.integers(1, 2),
     group=st.integers(1, 3),
     head_dim=st.sampled_from([16, 32, 48, 64]),  # 48: half a head is not whole vectors
@@ -481,21 +483,23 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=60, deadline=None)
-def test_decode_layer_equals_a_float64_layer_and_writes_only_its_slot(
-    dtype, batch, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row, biases,
-    qk_norm, threads, seed,
+def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
+    dtype, batch, num_layers, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row,
+    biases, qk_norm, threads, seed,
 ):  # fmt: skip
-    """The layer's output is the float64 layer's, rounded where eager rounds, within the
-    products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way);
-    the cache gets this token's key and value at its slot, and every other slot is unchanged
-    bit for bit."""
+    """The layers' output is the float64 layers' in turn, each rounded where eager rounds, within
+    the products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way);
+    each layer's cache gets its key and value for this token at the slot, and every other slot
+    is unchanged bit for bit."""
     kind, heads = _DTYPES[dtype], kv_heads * group
     widths = (embed_dim, heads * head_dim, hidden_dim)
     if any(attn.native.native_product(batch, width, kind) is None for width in widths):
-        return  # rows this CPU's products of these widths do not take: the decoder never asks (test_decoder.py)
-    x, weights, bias, (k_cache, v_cache) = _layer_inputs(
-        batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed, qk_norm
-    )
+        return  # rows this CPU's products of these widths do not take: the decoder never asks (test_native_step.py)
+    layers = [
+        _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed + i, qk_norm)
+        for i in range(num_layers)
+    ]
+    x = layers[0][0]
     gen = torch.Generator().manual_seed(seed + 1)
     slot = int(slot_at * length)
     span = slot + 1 + int(span_at * (length - slot - 1))
@@ -506,27 +510,33 @@ def test_decode_layer_equals_a_float64_layer_and_writes_only_its_slot(
     sin = torch.cat([-angles.sin(), angles.sin()], -1)  # the first half negated, as RotaryEmbedding.rotation
     rotation = torch.stack([cos, sin]).reshape((2, batch, 1, 1, head_dim) if per_row else (2, 1, head_dim))
     scale = head_dim**-0.5
-    expected = _float64_layer(x, weights, bias, k_cache, v_cache, slot, mask, rotation, 1e-5, scale)
-    before = k_cache.clone(), v_cache.clone()
+    expected = x
+    for _, weights, bias, (k_cache, v_cache) in layers:
+        expected = _float64_layer(expected.to(kind), weights, bias, k_cache, v_cache, slot, mask, rotation, 1e-5, scale)
+    k_caches, v_caches = [layer[3][0] for layer in layers], [layer[3][1] for layer in layers]
+    before = [cache.clone() for cache in k_caches + v_caches]
     torch.set_num_threads(threads)
-    got = torch.ops.attn.decode_layer(
-        x, weights, bias, k_cache, v_cache, torch.tensor([slot]), mask, rotation, 1e-5, scale,
-        attn.native.amx_from_rows(),
+    got = torch.ops.attn.decode_layers(
+        x, [w for layer in layers for w in layer[1]], [b for layer in layers for b in layer[2]], k_caches, v_caches,
+        torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(),
     )  # fmt: skip
     assert got.shape == x.shape and got.dtype == kind
     # bf16: a sum of another order can round an intermediate the other way, and that half step
-    # flows on through the norms and products: bounded by a share of the output's magnitude.
-    rtol = {"fp32": 1e-4, "bf16": 2**-5}[dtype]
-    atol = {"fp32": 1e-4, "bf16": 2**-5 * float(expected.abs().max())}[dtype]
+    # flows on through the norms, products and later layers: bounded by a share of the output's
+    # magnitude.
+    rtol = {"fp32": 1e-4, "bf16": 2**-5}[dtype] * num_layers
+    atol = {"fp32": 1e-4, "bf16": 2**-5 * float(expected.abs().max())}[dtype] * num_layers
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
     others = torch.arange(length) != slot
-    for cache, old in zip((k_cache, v_cache), before, strict=True):
+    for cache, old in zip(k_caches + v_caches, before, strict=True):
         assert torch.equal(cache[:, :, others], old[:, :, others])
-    assert not torch.equal(k_cache[:, :, slot], before[0][:, :, slot])  # written (random values never repeat)
+    for cache, old in zip(k_caches, before, strict=False):
+        assert not torch.equal(cache[:, :, slot], old[:, :, slot])  # written (random values never repeat)
 
 
 def _layer_call(**changes):
-    """A valid one-layer call (bf16, 2 rows, heads of 16), with ``changes`` to its arguments."""
+    """A valid call of two layers (bf16, 2 rows, heads of 16), with ``changes`` to its arguments
+    (the weights, biases and caches as one layer's: the second layer's are separate copies)."""
     x, weights, bias, (k_cache, v_cache) = _layer_inputs(2, 32, 2, 1, 16, 32, 8, torch.bfloat16, (False,) * 4, 0)
     call = dict(
         x=x, weights=weights, biases=bias, k_cache=k_cache, v_cache=v_cache, slots=torch.tensor([3]),
@@ -535,7 +545,12 @@ def _layer_call(**changes):
     )  # fmt: skip
     for name, change in changes.items():
         call[name] = change(call)
-    return call
+    first = _layer_inputs(call["x"].shape[0], 32, 2, 1, 16, 32, 8, torch.bfloat16, (False,) * 4, 1)
+    if len(call["weights"]) == 11:  # q and k norms: the first layer has them too
+        first[1].extend(torch.ones(16, dtype=torch.bfloat16) for _ in "qk")
+    weights, biases = first[1] + list(call.pop("weights")), first[2] + list(call.pop("biases"))
+    k_cache, v_cache = call.pop("k_cache"), call.pop("v_cache")
+    return call | dict(weights=weights, biases=biases, k_caches=[first[3][0], k_cache], v_caches=[first[3][1], v_cache])
 
 
 def _swap(items, index, value):
@@ -548,16 +563,23 @@ def _swap(items, index, value):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"x": lambda c: c["x"].float()}, "must be x's dtype Float, got BFloat16 and BFloat16"),
-        ({"x": lambda c: c["x"].expand(2, 2, 32)}, r"x must be \(b, 1, e\), one token a row, got \[2, 2, 32\]"),
-        ({"weights": lambda c: c["weights"][:8]}, r"takes 9 weights .* or 11 \(and q_norm, k_norm\), got 8"),
+        ({"x": lambda c: c["x"].float()}, "layer 0's caches must be CPU tensors of x's dtype Float, got BFloat16"),
+        (
+            {"x": lambda c: c["x"].expand(2, 2, 32)},
+            r"x must be \(b, 1, e\) on the CPU, one token a row, got \[2, 2, 32\] on cpu",
+        ),
+        (
+            {"weights": lambda c: c["weights"][:8]},
+            r"takes 9 weights a layer .* or 11 \(and q_norm, k_norm\), got 17 for 2 layer\(s\)",
+        ),
+        ({"biases": lambda c: c["biases"][:3]}, r"takes 4 biases a layer .*, got 7 for 2 layer\(s\)"),
         (
             {
                 "weights": lambda c: (
                     c["weights"] + [torch.ones(16, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)]
                 )
             },
-            r"weight shapes do not fit .* q_norm and k_norm \[16\] and \[8\]",
+            r"layer 1's weight shapes do not fit .* q_norm and k_norm \[16\] and \[8\]",
         ),
         (
             {"weights": lambda c: _swap(c["weights"], 6, torch.zeros(48, 32, dtype=torch.bfloat16))},
@@ -565,7 +587,7 @@ def _swap(items, index, value):
         ),
         (
             {"weights": lambda c: _swap(c["weights"], 2, c["weights"][2].float())},
-            "k_proj must be a contiguous CPU tensor of x's dtype BFloat16, got Float",
+            "layer 1's k_proj must be a contiguous CPU tensor of x's dtype BFloat16, got Float",
         ),
         (
             {"weights": lambda c: _swap(c["weights"], 4, c["weights"][4].T.contiguous().T)},
@@ -573,7 +595,7 @@ def _swap(items, index, value):
         ),
         (
             {"biases": lambda c: _swap(c["biases"], 3, torch.zeros(5, dtype=torch.bfloat16))},
-            r"the o_proj bias must be None or a \(32,\) CPU tensor",
+            r"layer 1's o_proj bias must be None or a \(32,\) CPU tensor",
         ),
         ({"slots": lambda c: torch.tensor([8])}, "slot 8 is outside the cache's 8 slots"),
         ({"slots": lambda c: torch.tensor([3, 4])}, "slots must be the one cache slot this token writes"),
@@ -582,7 +604,11 @@ def _swap(items, index, value):
         ({"mask": lambda c: torch.ones(3, 1, 4, dtype=torch.bool)}, r"\(1, n\) or \(b, 1, n\), got Bool \[3, 1, 4\]"),
         ({"mask": lambda c: torch.ones(1, 4)}, "the mask must be bool"),
         ({"rotation": lambda c: torch.ones(2, 1, 8)}, r"rotation must be contiguous fp32 .* \(2, 1, 16\)"),
-        ({"k_cache": lambda c: c["k_cache"][:1]}, r"the caches must be \(b, h_kv, L, d\) with x's 2 rows"),
+        ({"k_cache": lambda c: c["k_cache"][:1]}, r"layer 1's caches must be \(b, h_kv, L, d\) with x's 2 rows"),
+        (
+            {"k_cache": lambda c: torch.zeros(2, 1, 9, 16, dtype=torch.bfloat16), "v_cache": lambda c: c["k_cache"]},
+            r"caches must be one shape, got \[2, 1, 8, 16\] for the first and \[2, 1, 9, 16\] for layer 1",
+        ),
         (
             {
                 "x": lambda c: torch.zeros(17, 1, 32, dtype=torch.bfloat16),
@@ -594,9 +620,12 @@ def _swap(items, index, value):
         ),
     ],
 )
-def test_decode_layer_bad_input_names_the_values_and_writes_nothing(changes, message):
+def test_decode_layers_bad_input_names_the_values_and_writes_no_layer(changes, message):
+    """Each bad input is the second layer's (or shared): the error names it, and neither the
+    second layer's cache nor the first's, which the call reaches first, is written."""
     call = _layer_call(**changes)
-    before = call["k_cache"].clone(), call["v_cache"].clone()
+    before = [cache.clone() for cache in call["k_caches"] + call["v_caches"]]
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.attn.decode_layer(**call)
-    assert torch.equal(call["k_cache"], before[0]) and torch.equal(call["v_cache"], before[1])
+        torch.ops.attn.decode_layers(**call)
+    for cache, old in zip(call["k_caches"] + call["v_caches"], before, strict=True):
+        assert torch.equal(cache, old)

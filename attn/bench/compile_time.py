@@ -1,6 +1,6 @@
 """``python -m attn bench --compile-time``: how long ``attn.compile_for_decode`` keeps a user
 waiting before the first token, cold and warm, where it compiles its step (``native_layers=False``;
-where the CPU and the model take ``attn::decode_layer`` it compiles nothing by default).
+where the CPU and the model take ``attn::decode_layers`` it compiles nothing by default).
 
 Per cell, fresh processes share one new inductor cache folder (``TORCHINDUCTOR_CACHE_DIR``):
 the first compiles from nothing (cold), the second finds inductor's on-disk cache (warm), as a

@@ -392,7 +392,7 @@ class AttnCompiled(AttnEager):
             return None
         stats = self.fast.stats
         if stats.native_steps and not stats.graphs:
-            return f"{stats.native_steps} decode steps run eager, one attn::decode_layer call a layer; nothing compiled"
+            return f"{stats.native_steps} decode steps run eager, layers as attn::decode_layers calls; nothing compiled"
         width = "inductor's default" if stats.vector_bits is None else f"{stats.vector_bits} bits"
         layers = "one decoder layer compiled for every layer" if stats.regions else "every layer compiled"
         native = f" ({stats.linears_native} of them through a native kernel)" if stats.linears_native else ""
@@ -602,7 +602,7 @@ CONTENDERS: dict[str, Any] = {
     "attn-compiled": lambda: AttnCompiled(
         "attn-compiled",
         None,
-        "attn.compile_for_decode: eager prefill; decode steps as attn::decode_layer calls where the model's layers "
+        "attn.compile_for_decode: eager prefill; decode steps as attn::decode_layers calls where the model's layers "
         "and the CPU take them, else an inductor step with row-wise linears",
     ),
     "attn-compiled-graph": lambda: AttnCompiled(

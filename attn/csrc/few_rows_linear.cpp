@@ -29,7 +29,7 @@
 // (16.8-17.3). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
 // once (nearest even).
 // Products that share x (a layer's q, k and v; its gate and up) run in one parallel region
-// (attn::decode_layer calls them so). Built on first use by attn/native.py, which checks the CPU.
+// (attn::decode_layers calls them so). Built on first use by attn/native.py, which checks the CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

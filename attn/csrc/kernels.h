@@ -1,5 +1,5 @@
 // The entry points of attn's native kernels, for the kernels that call each other
-// (attn::decode_layer calls the products and the attention). Each checks its inputs and raises
+// (attn::decode_layers calls the products and the attention). Each checks its inputs and raises
 // with the values it found; attn/native.py registers them as the attn:: operators' CPU kernels
 // and hashes this header into the build's flags.
 #pragma once

@@ -1,14 +1,16 @@
-// attn::decode_layer: one decoder layer's decode step (one token a row, with the KV-cache) in one
-// call: RMSNorm, the q, k and v products, each head's q and k RMSNorm where the model has them
-// (Qwen3), RoPE, the cache write, attention, the output product and its residual, RMSNorm, the
-// SwiGLU MLP and its residual.
+// attn::decode_layers: a run of decoder layers' decode step (one token a row, with the KV-cache)
+// in one call. Each layer: RMSNorm, the q, k and v products, each head's q and k RMSNorm where the
+// model has them (Qwen3), RoPE, the cache write, attention, the output product and its residual,
+// RMSNorm, the SwiGLU MLP and its residual.
 //
 // A compiled decode step at 16 rows spent 8-10 ms of 26-29 outside its products and attention
 // (SmolLM2-135M shape, bf16, 2 threads of a Xeon 6/167): the generated wrapper's Python for each
-// layer, dynamo's guards, a dozen small fused kernels, each a parallel region. Here a layer is one
-// operator call: the products (attn::amx_linear, attn::bf16_matvec, attn::fp32_linear) and the
-// attention (attn::decode_attention) are called directly, and the work between them, a few
-// thousand values a row, runs on the calling thread with AVX-512.
+// layer, dynamo's guards, a dozen small fused kernels, each a parallel region. Here the products
+// (attn::amx_linear, attn::bf16_matvec, attn::fp32_linear) and the attention
+// (attn::decode_attention) are called directly, and the work between them, a few thousand values
+// a row, runs on the calling thread with AVX-512. One call a layer still cost about 14 us of
+// dispatch, checks and Python around each (0.4 ms of a 12 ms step at batch 1, 30 layers, Zen 4),
+// so the decoder hands every run of layers it computes to one call (attn/native_step.py).
 //
 // Rounding follows the eager layer (attn/decoder.py, attn/norm.py, attn/rope.py) step by step: a
 // norm's fp32 result is rounded to the dtype before it is scaled by the weight, RoPE rotates in
@@ -16,8 +18,8 @@
 // residual sum is rounded once. The products and the attention sum in fp32 in their own order,
 // as in compile_for_decode's step, so an output can differ from eager's in the last bit.
 //
-// Every input is checked before the cache is written: a call that raises leaves the cache as it
-// was. Built on first use by attn/native.py, which checks the CPU has AVX512-BF16.
+// Every input of every layer is checked before any cache is written: a call that raises leaves
+// the caches as they were. Built on first use by attn/native.py, which checks the CPU has AVX512-BF16.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -138,7 +140,7 @@ ATTN_LAYER void swiglu(T* gate, const T* up, int64_t count) {
 
 // Writes rows (M, h_kv, d) at `slot` of cache (M, h_kv, L, d).
 template <typename T>
-void write_slot(const T* rows, at::Tensor& cache, int64_t slot) {
+void write_slot(const T* rows, const at::Tensor& cache, int64_t slot) {
   const int64_t M = cache.size(0), heads = cache.size(1), d = cache.size(3);
   T* data = cache.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m)
@@ -186,17 +188,25 @@ const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_pro
                               "gate_proj", "up_proj", "down_proj", "q_norm", "k_norm"};
 const char* kBiasNames[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
 
+// One layer's inputs: its weights (9, or 11 with q and k norms), its 4 biases, its caches.
+struct Layer {
+  at::TensorList w;
+  c10::optional<at::Tensor> bias[4];
+  at::Tensor k_cache, v_cache;
+};
+
 template <typename T>
-at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<at::Tensor> (&bias)[4],
-                     at::Tensor& k_cache, at::Tensor& v_cache, int64_t slot, const at::Tensor& mask,
+at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, const at::Tensor& allowed,
                      const at::Tensor& rotation, float eps, double scale, int64_t amx_from_rows) {
+  const at::TensorList w = layer.w;
+  const at::Tensor &k_cache = layer.k_cache, &v_cache = layer.v_cache;
   const int64_t M = x.size(0), e = x.size(2), d = k_cache.size(3), kv_heads = k_cache.size(1);
   const int64_t heads = w[1].size(0) / d, hidden = w[6].size(0);
   const auto options = x.options();
   const at::Tensor h0 = x.contiguous();  // (M, 1, e)
   at::Tensor normed = at::empty({M, e}, options);
   rms_norm<T>(h0.data_ptr<T>(), w[0].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
-  const auto qkv = products(normed, {w[1], w[2], w[3]}, {bias[0], bias[1], bias[2]}, amx_from_rows);
+  const auto qkv = products(normed, {w[1], w[2], w[3]}, {layer.bias[0], layer.bias[1], layer.bias[2]}, amx_from_rows);
   const at::Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];  // (M, h * d), (M, h_kv * d), (M, h_kv * d)
   if (w.size() == 11) {  // each head's RMSNorm, before RoPE
     rms_norm<T>(q.data_ptr<T>(), w[9].data_ptr<T>(), q.data_ptr<T>(), M * heads, d, eps);
@@ -209,11 +219,10 @@ at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<
   rotate<T>(k.data_ptr<T>(), M, kv_heads, d, cos, sin, row_step);
   write_slot<T>(k.data_ptr<T>(), k_cache, slot);
   write_slot<T>(v.data_ptr<T>(), v_cache, slot);
-  const int64_t span = mask.size(-1);
-  const at::Tensor allowed = mask.dim() == 2 ? mask.unsqueeze(0).unsqueeze(0) : mask.unsqueeze(1);  // (1 or M, 1, 1, n)
+  const int64_t span = allowed.size(-1);
   const at::Tensor attended = attn::decode_attention(q.view({M, heads, 1, d}), k_cache.narrow(2, 0, span),
                                                      v_cache.narrow(2, 0, span), allowed, scale);  // (M, h, 1, d)
-  const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], bias[3], amx_from_rows);  // (M, e)
+  const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], layer.bias[3], amx_from_rows);  // (M, e)
   at::Tensor h1 = at::empty({M, e}, options);
   add<T>(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
   rms_norm<T>(h1.data_ptr<T>(), w[5].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
@@ -226,38 +235,30 @@ at::Tensor run_layer(const at::Tensor& x, at::TensorList w, const c10::optional<
   return out;
 }
 
-}  // namespace
-
-namespace attn {
-
-at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& mask,
-                        const at::Tensor& rotation, double eps, double scale, int64_t amx_from_rows) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::decode_layer needs a CPU with AVX512-BF16");
+// Checks layer `index`'s weights, biases and caches against x (M, 1, e) and the first layer's
+// caches (every layer's are one shape), and returns them as a Layer.
+Layer check_layer(size_t index, const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>* biases,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& first_cache,
+                  int64_t amx_from_rows) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attn::decode_layer takes fp32 or bf16, got x ", dtype);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0, "attn::decode_layer: x must be (b, 1, e), one token "
-              "a row, got ", x.sizes());
-  TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "attn::decode_layer takes 9 weights (attn_norm, q, k, v, "
-              "o, mlp_norm, gate, up, down) or 11 (and q_norm, k_norm), got ", weights.size());
-  TORCH_CHECK(biases.size() == 4, "attn::decode_layer takes 4 biases (q, k, v, o; None for none), got ",
-              biases.size());
   const int64_t M = x.size(0), e = x.size(2);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == M,
-              "attn::decode_layer: the caches must be (b, h_kv, L, d) with x's ", M, " rows, got ", k_cache.sizes(),
-              " and ", v_cache.sizes());
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, "attn::decode_layer: the caches must "
-              "be x's dtype ", dtype, ", got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "attn::decode_layer: cache rows must be contiguous");
-  const int64_t kv_heads = k_cache.size(1), L = k_cache.size(2), d = k_cache.size(3);
-  TORCH_CHECK(d > 0 && d % kLanes == 0 && d <= kMaxHeadDim, "attn::decode_layer takes a head dim that is a multiple "
-              "of 16 up to ", kMaxHeadDim, ", got ", d);
-  TORCH_CHECK(e % kLanes == 0, "attn::decode_layer takes a model width that is a multiple of 16, got ", e);
+              "attn::decode_layers: layer ", index, "'s caches must be (b, h_kv, L, d) with x's ", M, " rows, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.sizes() == first_cache.sizes(), "attn::decode_layers: every layer's caches must be one shape, "
+              "got ", first_cache.sizes(), " for the first and ", k_cache.sizes(), " for layer ", index);
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu(),
+              "attn::decode_layers: layer ", index, "'s caches must be CPU tensors of x's dtype ", dtype, ", got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "attn::decode_layers: layer ", index,
+              "'s cache rows must be contiguous");
+  const int64_t kv_heads = k_cache.size(1), d = k_cache.size(3);
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.scalar_type() == dtype && w.device().is_cpu() && w.is_contiguous(), "attn::decode_layer: ",
-                kWeightNames[i], " must be a contiguous CPU tensor of x's dtype ", dtype, ", got ", w.scalar_type(),
-                " on ", w.device(), " with strides ", w.strides());
+    TORCH_CHECK(w.scalar_type() == dtype && w.device().is_cpu() && w.is_contiguous(), "attn::decode_layers: layer ",
+                index, "'s ", kWeightNames[i], " must be a contiguous CPU tensor of x's dtype ", dtype, ", got ",
+                w.scalar_type(), " on ", w.device(), " with strides ", w.strides());
   }
   const int64_t qd = weights[1].size(0), kvd = kv_heads * d, hidden = weights[6].size(0);
   const bool shapes = weights[0].dim() == 1 && weights[0].size(0) == e && weights[5].dim() == 1 &&
@@ -269,21 +270,22 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::
                       weights[8].sizes() == at::IntArrayRef({e, hidden}) &&
                       (weights.size() == 9 || (weights[9].sizes() == at::IntArrayRef({d}) &&
                                                weights[10].sizes() == at::IntArrayRef({d})));
-  TORCH_CHECK(shapes, "attn::decode_layer: weight shapes do not fit x (", M, ", 1, ", e, ") and heads of ", d,
-              " (caches ", k_cache.sizes(), "): attn_norm ", weights[0].sizes(), ", q ", weights[1].sizes(), ", k ",
-              weights[2].sizes(), ", v ", weights[3].sizes(), ", o ", weights[4].sizes(), ", mlp_norm ",
-              weights[5].sizes(), ", gate ", weights[6].sizes(), ", up ", weights[7].sizes(), ", down ",
+  TORCH_CHECK(shapes, "attn::decode_layers: layer ", index, "'s weight shapes do not fit x (", M, ", 1, ", e,
+              ") and heads of ", d, " (caches ", k_cache.sizes(), "): attn_norm ", weights[0].sizes(), ", q ",
+              weights[1].sizes(), ", k ", weights[2].sizes(), ", v ", weights[3].sizes(), ", o ", weights[4].sizes(),
+              ", mlp_norm ", weights[5].sizes(), ", gate ", weights[6].sizes(), ", up ", weights[7].sizes(), ", down ",
               weights[8].sizes(), weights.size() == 11 ? ", q_norm and k_norm " : "",
               weights.size() == 11 ? weights[9].sizes() : at::IntArrayRef(), weights.size() == 11 ? " and " : "",
               weights.size() == 11 ? weights[10].sizes() : at::IntArrayRef(), " (the hidden width a multiple of 16)");
-  c10::optional<at::Tensor> bias[4];
+  Layer layer{weights, {}, k_cache, v_cache};
   for (size_t i = 0; i < 4; ++i) {
-    bias[i] = biases.get(i);
+    const c10::optional<at::Tensor>& bias = biases[i];
     const int64_t n = i == 0 ? qd : i == 3 ? e : kvd;
-    TORCH_CHECK(!bias[i].has_value() || (bias[i]->scalar_type() == dtype && bias[i]->dim() == 1 &&
-                                         bias[i]->size(0) == n && bias[i]->device().is_cpu()),
-                "attn::decode_layer: the ", kBiasNames[i], " bias must be None or a (", n, ",) CPU tensor of x's "
-                "dtype");
+    TORCH_CHECK(!bias.has_value() ||
+                    (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n && bias->device().is_cpu()),
+                "attn::decode_layers: layer ", index, "'s ", kBiasNames[i], " bias must be None or a (", n,
+                ",) CPU tensor of x's dtype");
+    layer.bias[i] = bias;
   }
   const int64_t features[] = {e, qd, hidden};
   for (const int64_t k : features) {
@@ -291,33 +293,76 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, const c10::
     const int64_t most = kind == Product::kFp32  ? attn::kFp32LinearMaxRows
                          : kind == Product::kAmx ? attn::kAmxLinearMaxRows
                                                  : attn::kBf16MatvecMaxRows;
-    TORCH_CHECK(M <= most, "attn::decode_layer: ", M, " rows are more than its ", dtype, " products of ", k,
+    TORCH_CHECK(M <= most, "attn::decode_layers: ", M, " rows are more than its ", dtype, " products of ", k,
                 " features take (", most, "); F.linear is the product for more");
   }
+  return layer;
+}
+
+}  // namespace
+
+namespace attn {
+
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                         const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
+                         int64_t amx_from_rows) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::decode_layers needs a CPU with AVX512-BF16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attn::decode_layers takes fp32 or bf16, got x ", dtype);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0 && x.device().is_cpu(),
+              "attn::decode_layers: x must be (b, 1, e) on the CPU, one token a row, got ", x.sizes(), " on ",
+              x.device());
+  const size_t count = k_caches.size();
+  TORCH_CHECK(count > 0 && v_caches.size() == count, "attn::decode_layers takes one key and one value cache a layer, "
+              "got ", k_caches.size(), " and ", v_caches.size());
+  const size_t per_layer = weights.size() / count;
+  TORCH_CHECK((per_layer == 9 || per_layer == 11) && weights.size() == per_layer * count, "attn::decode_layers "
+              "takes 9 weights a layer (attn_norm, q, k, v, o, mlp_norm, gate, up, down) or 11 (and q_norm, k_norm), "
+              "got ", weights.size(), " for ", count, " layer(s)");
+  TORCH_CHECK(biases.size() == 4 * count, "attn::decode_layers takes 4 biases a layer (q, k, v, o; None for none), "
+              "got ", biases.size(), " for ", count, " layer(s)");
+  const int64_t M = x.size(0), e = x.size(2);
+  TORCH_CHECK(e % kLanes == 0, "attn::decode_layers takes a model width that is a multiple of 16, got ", e);
+  TORCH_CHECK(k_caches[0].dim() == 4, "attn::decode_layers: the caches must be (b, h_kv, L, d), got ",
+              k_caches[0].sizes());
+  const int64_t L = k_caches[0].size(2), d = k_caches[0].size(3);
+  TORCH_CHECK(d > 0 && d % kLanes == 0 && d <= kMaxHeadDim, "attn::decode_layers takes a head dim that is a "
+              "multiple of 16 up to ", kMaxHeadDim, ", got ", d);
+  std::vector<c10::optional<at::Tensor>> bias_values(biases.begin(), biases.end());
+  std::vector<Layer> layers;
+  layers.reserve(count);
+  for (size_t i = 0; i < count; ++i)
+    layers.push_back(check_layer(i, x, weights.slice(i * per_layer, per_layer), bias_values.data() + 4 * i,
+                                 k_caches[i], v_caches[i], k_caches[0], amx_from_rows));
   TORCH_CHECK(slots.numel() == 1 && slots.scalar_type() == at::kLong && slots.device().is_cpu(),
-              "attn::decode_layer: slots must be the one cache slot this token writes, a CPU long tensor, got ",
+              "attn::decode_layers: slots must be the one cache slot this token writes, a CPU long tensor, got ",
               slots.sizes(), " ", slots.scalar_type());
   const int64_t slot = slots.data_ptr<int64_t>()[0];
-  TORCH_CHECK(0 <= slot && slot < L, "attn::decode_layer: slot ", slot, " is outside the cache's ", L, " slots");
+  TORCH_CHECK(0 <= slot && slot < L, "attn::decode_layers: slot ", slot, " is outside the cache's ", L, " slots");
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.device().is_cpu() &&
                   ((mask.dim() == 2 && mask.size(0) == 1) ||
                    (mask.dim() == 3 && (mask.size(0) == 1 || mask.size(0) == M) && mask.size(1) == 1)),
-              "attn::decode_layer: the mask must be bool, (1, n) or (b, 1, n), got ", mask.scalar_type(), " ",
+              "attn::decode_layers: the mask must be bool, (1, n) or (b, 1, n), got ", mask.scalar_type(), " ",
               mask.sizes());
   const int64_t span = mask.size(-1);
-  TORCH_CHECK(slot < span && span <= L, "attn::decode_layer: the mask covers ", span, " slots; it must cover slot ",
+  TORCH_CHECK(slot < span && span <= L, "attn::decode_layers: the mask covers ", span, " slots; it must cover slot ",
               slot, " and at most the cache's ", L);
-  TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous() &&
+  TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous() && rotation.device().is_cpu() &&
                   (rotation.numel() == 2 * d || rotation.numel() == 2 * M * d),
-              "attn::decode_layer: rotation must be contiguous fp32 cos and signed sin rows, (2, 1, ", d, ") or (2, ",
+              "attn::decode_layers: rotation must be contiguous fp32 cos and signed sin rows, (2, 1, ", d, ") or (2, ",
               M, ", 1, 1, ", d, "), got ", rotation.scalar_type(), " ", rotation.sizes());
+  const at::Tensor allowed = mask.dim() == 2 ? mask.unsqueeze(0).unsqueeze(0) : mask.unsqueeze(1);  // (1 or M, 1, 1, n)
   const float epsilon = static_cast<float>(eps);
-  if (dtype == at::kFloat)
-    return run_layer<float>(x, weights, bias, k_cache, v_cache, slot, mask, rotation, epsilon, scale, amx_from_rows);
-  return run_layer<c10::BFloat16>(x, weights, bias, k_cache, v_cache, slot, mask, rotation, epsilon, scale,
-                                  amx_from_rows);
+  at::Tensor h = x;
+  for (const Layer& layer : layers) {
+    h = dtype == at::kFloat
+            ? run_layer<float>(h, layer, slot, allowed, rotation, epsilon, scale, amx_from_rows)
+            : run_layer<c10::BFloat16>(h, layer, slot, allowed, rotation, epsilon, scale, amx_from_rows);
+  }
+  return h;
 }
 
 }  // namespace attn
 
-TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("decode_layer", &attn::decode_layer); }
+TORCH_LIBRARY_IMPL(attn, CPU, m) { m.impl("decode_layers", &attn::decode_layers); }
