@@ -125,6 +125,11 @@ class NativeStep:
             else:
                 self.runs.append(_Run(local, (attention.kv_cache,), tuple(weights), tuple(biases), eps, scale))
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        """A copy or a pickle of the model holds no step (``NoneType()`` is ``None``): it is a
+        cache of the model's objects, rebuilt from the copy's own on its first step."""
+        return type(None), ()
+
     def current(self) -> bool:
         """Does the step still compute the model's layers: is nothing it was built from changed?"""
         return self._watch.unchanged()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import weakref
 
 import pytest
@@ -345,3 +346,23 @@ def test_native_layers_need_a_cache_of_the_models_dtype_and_leave_other_choices_
     attn.set_parity_mode(model)
     assert model.linear_kernels(True, 1, 2) == "exact"
     assert all(native_product(2, width, torch.float32) is not None for width in (32, 64))
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))])
+def test_a_copy_decodes_with_its_own_weights(copy_of, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deep copy or a pickle of a model that has run native steps computes with its own
+    weights: changed in place after the copy, they give the copy's stock logits, not the
+    original's."""
+    model = _native_model(torch.float32)
+    tokens = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    _teacher_forced_logits(model, tokens, 3)
+    twin = copy_of(model)
+    with torch.no_grad():
+        twin.layers[1].mlp.down_proj.weight.mul_(-1.0)
+    calls = _native_calls(monkeypatch)
+    native = _teacher_forced_logits(twin, tokens, 3)
+    assert calls == [2] * 3
+    _stock(twin, monkeypatch)
+    torch.testing.assert_close(native, _teacher_forced_logits(twin, tokens, 3), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(native, _teacher_forced_logits(model, tokens, 3))
