@@ -12,9 +12,11 @@ apply to some layers only).
 The step is built once (``NativeStep``) and reused while nothing it read has changed: every
 decode step compares, object by object, the layers' modules, parameters, hooks and norm and
 attention settings with what it was built from (``NativeStep.current``: about 60 us for 30
-layers), and rebuilds on any difference. One call a layer, its arguments gathered each step,
-had cost 1-2 ms more a step at batch 1 (12.5-12.7 against 10.1-11.9 ms, best of 5 runs of 100
-steps in turn; SmolLM2-135M shape, bf16, 2 threads, AMD EPYC Zen 4).
+layers), and rebuilds on any difference. One call a layer, its arguments gathered each step, had
+cost 0.4-0.6 ms more a step on a thin 30-layer model, whose step is its overheads (1.22-1.55
+against 0.81-0.97 ms, best of 5 runs of 100 steps, old and new in turn; bf16, 2 threads, AMD EPYC
+Zen 4); at the SmolLM2-135M shape the gain was within that machine's noise in one set of rounds
+and 1-2 ms in another (``docs/performance.md``).
 """
 
 from __future__ import annotations

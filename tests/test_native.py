@@ -629,3 +629,41 @@ def test_decode_layers_bad_input_names_the_values_and_writes_no_layer(changes, m
         torch.ops.attn.decode_layers(**call)
     for cache, old in zip(call["k_caches"] + call["v_caches"], before, strict=True):
         assert torch.equal(cache, old)
+
+
+def _opcheck_cases():
+    """One valid call of each operator the CPU runs here, for ``torch.library.opcheck``."""
+    gen = torch.Generator().manual_seed(0)
+    bf16 = lambda *shape: torch.randn(shape, generator=gen).bfloat16()  # noqa: E731
+    cases = [
+        pytest.param(
+            "decode_attention",
+            lambda: (
+                bf16(2, 4, 1, 16),
+                bf16(2, 2, 8, 16),
+                bf16(2, 2, 8, 16),
+                torch.ones(2, 1, 1, 8, dtype=torch.bool),
+                0.25,
+            ),
+            marks=needs_avx512,
+        ),
+        pytest.param("bf16_matvec", lambda: (bf16(3, 32), bf16(16, 32), bf16(16)), marks=needs_bf16_matvec),
+        pytest.param("fp32_linear", lambda: (bf16(3, 32).float(), bf16(16, 32).float(), None), marks=needs_bf16_matvec),
+        pytest.param("amx_linear", lambda: (bf16(5, 32), bf16(16, 32), None), marks=needs_amx),
+    ]
+
+    def layers():
+        call = _layer_call()
+        names = ("x", "weights", "biases", "k_caches", "v_caches", "slots", "mask", "rotation", "eps", "scale")
+        return (*(call[name] for name in names), call["amx_from_rows"])
+
+    return [*cases, pytest.param("decode_layers", layers, marks=needs_bf16_matvec)]
+
+
+@pytest.mark.parametrize(("name", "arguments"), _opcheck_cases())
+def test_operators_pass_torchs_opcheck(name, arguments):
+    """``torch.library.opcheck``: each schema says what its kernel mutates (decode_layers: the
+    caches, and nothing else), each fake kernel gives the real output's shape, dtype and strides,
+    and the operator runs under AOT dispatch with dynamic shapes (how torch.compile would call it)."""
+    results = torch.library.opcheck(getattr(torch.ops.attn, name).default, arguments())
+    assert set(results.values()) == {"SUCCESS"}, results
