@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import attn
 from attn import generate, padded_causal_mask
-from attn.generation import _draw, _sample
+from attn.generation import _Buffers, _draw, _sample
 from attn.policy import CachePolicy
 
 from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
@@ -256,6 +256,48 @@ def test_greedy_picks_argmax_token_ties_and_nans_included(rows, vocab, levels, s
     assert torch.equal(tokens, expected)
     reference = logits.float().log_softmax(-1).gather(-1, expected[:, None]).squeeze(-1)
     torch.testing.assert_close(logprobs, reference, rtol=0, atol=0, equal_nan=True)
+
+
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    temperature=st.sampled_from([0.0, 0.5, 1.0]),
+    top_k=st.sampled_from([None, 1, 5]),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_sampling_into_reused_buffers_equals_fresh_tensors(rows, vocab, dtype, temperature, top_k, steps, seed):
+    """The decode loop samples into buffers it reuses every step: tokens and logprobs equal
+    those of the sampler written here with fresh tensors, bit for bit, step after step (the
+    buffers hold the last step's values), from the same generator state, and the logits given
+    are left as they were."""
+
+    def fresh(logits, generator):
+        x = logits.float()
+        if temperature == 0.0:
+            tokens = x.argmax(-1)
+        else:
+            x = x / temperature
+            if k is not None:
+                x = x.masked_fill(x < x.topk(k, dim=-1).values[:, -1:], float("-inf"))
+            cumulative = x.softmax(-1).double().cumsum(-1)  # (b, v)
+            draw = torch.rand(rows, 1, dtype=torch.float64, generator=generator) * cumulative[:, -1:]
+            tokens = torch.searchsorted(cumulative, draw, right=True).clamp(max=vocab - 1).squeeze(-1)
+        return tokens, x.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    buffers = _Buffers(torch.zeros(rows, vocab))
+    fresh_gen, reused_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    k = None if top_k is None else min(top_k, vocab)
+    for step in range(steps):
+        logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed + step)) * 3).to(dtype)
+        before = logits.clone()
+        expected = fresh(logits, fresh_gen)
+        got = _sample(logits, temperature, k, reused_gen, buffers)
+        assert torch.equal(got[0], expected[0])
+        torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(logits, before)
 
 
 # ---------------------------------------------------------------------------- num_samples
