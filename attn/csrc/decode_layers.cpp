@@ -158,20 +158,8 @@ Product product_for(at::ScalarType dtype, int64_t rows, int64_t features, int64_
   return amx_from_rows > 0 && rows >= amx_from_rows && features % 32 == 0 ? Product::kAmx : Product::kMatvec;
 }
 
-at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                   int64_t amx_from_rows) {
-  switch (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows)) {
-    case Product::kFp32:
-      return attn::fp32_linear(x, weight, bias);
-    case Product::kAmx:
-      return attn::amx_linear(x, weight, bias);
-    default:
-      return attn::bf16_matvec(x, weight, bias);
-  }
-}
-
-// The products of x by each weight, as `product` computes them, in one call (one parallel
-// region, each thread's blocks running from one weight into the next).
+// The products of x by each weight, with the kernel product_for chooses, in one call (one
+// parallel region, each thread's blocks running from one weight into the next).
 std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights,
                                  std::vector<c10::optional<at::Tensor>> biases, int64_t amx_from_rows) {
   switch (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows)) {
@@ -182,6 +170,12 @@ std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> we
     default:
       return attn::bf16_matvec_group(x, weights, biases);
   }
+}
+
+// x by one weight: a group of one, as the single products are.
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                   int64_t amx_from_rows) {
+  return products(x, {weight}, {bias}, amx_from_rows)[0];
 }
 
 const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_proj", "mlp_norm",
