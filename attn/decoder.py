@@ -568,14 +568,15 @@ class TransformerDecoder(nn.Module):
             linears = "exact" if self.parity else "default"
         if linears == "exact":
             return ParityKernels()
-        # "native": the layers are attn::decode_layers calls (_logits); the output layer's product is attn's.
+        # "native": attn's products; the layers attn::decode_layers calls where native_layers says so (_logits).
         return contextlib.nullcontext() if linears == "default" else packed_linears(linears)
 
     def linear_kernels(self, use_cache: bool, num_tokens: int, batch_size: int) -> Linears:
         """The linear kernels of a pass (``attn.plan.Linears``): parity mode's exact ones; for
         an eager decode step (one token per row, with the cache) oneDNN's, on packed weights
-        where ``attn.set_packed_decode`` asked for them, else on the weights as they are: in
-        a CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
+        where ``attn.set_packed_decode`` asked for them, else attn's few-row products where
+        they take every linear (``native_products``), else oneDNN's on the weights as they are:
+        in a CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
         CPUs), and as matrix-vector products in a CPU bf16 model at batch 1; else torch's."""
         if self.parity:
             return "exact"
@@ -587,12 +588,23 @@ class TransformerDecoder(nn.Module):
             kernels = self._plain_weight_kernels(batch_size)
         if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling():
             return "default"
-        if kernels != "packed" and self.native_layers(batch_size):
+        if kernels != "packed" and self.native_products(batch_size):
             return "native"
         if not packed_decode_available():
             return "default"
         # The vendor only here, past the compile check: a traced step cannot read /proc/cpuinfo.
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
+
+    def native_products(self, batch_size: int) -> bool:
+        """Do attn's few-row kernels take every linear of an eager decode step of
+        ``batch_size`` rows (``attn.native.native_product``: a CPU with AVX2 or AVX-512, a CPU
+        bf16 or fp32 model, up to 16 rows, 32 in bf16 with AMX)?"""
+        weight = self.tok_embeddings.weight
+        if weight.device.type != "cpu":
+            return False
+        config = self.config
+        widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
+        return all(native_product(batch_size, width, weight.dtype) is not None for width in widths)
 
     def native_layers(self, batch_size: int) -> bool:
         """Does an eager decode step of ``batch_size`` rows run its layers as calls to
@@ -603,17 +615,10 @@ class TransformerDecoder(nn.Module):
         its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 16
         without, 16 in fp32). A layer with a hook or an adapter on one of its modules runs them
         in that step (``attn.native_step``)."""
-        weight = self.tok_embeddings.weight
         caches = self.cache_state.caches
-        if not (
-            self._native_config and weight.device.type == "cpu" and caches and caches[0].k_cache.dtype == weight.dtype
-        ):
+        if not (self._native_config and caches and caches[0].k_cache.dtype == self.tok_embeddings.weight.dtype):
             return False
-        config = self.config
-        widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
-        if any(native_product(batch_size, width, weight.dtype) is None for width in widths):
-            return False
-        return decode_layers_available()
+        return self.native_products(batch_size) and decode_layers_available()
 
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
         """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
@@ -635,7 +640,7 @@ class TransformerDecoder(nn.Module):
     def _logits(self, tokens: torch.Tensor, plan: PassPlan, last_only: bool) -> torch.Tensor:
         local = plan.local or plan
         h = self.embed(tokens)  # (b, s, e)
-        if plan.linears == "native" and not global_hooks():
+        if plan.linears == "native" and not global_hooks() and self.native_layers(tokens.shape[0]):
             step = self._native_step
             if step is None or not step.current():
                 step = self._native_step = NativeStep(self.layers, self.local_layers)

@@ -28,6 +28,8 @@ weights themselves, kept while packed decode is on (``set_packed_decode(model, F
 frees it). On a CPU without bf16 arithmetic (no AVX512-BF16 or AMX: Ice Lake and older Xeons,
 AMD before Zen 4) a bf16 step of at least ``WIDEN_FROM_ROWS`` rows reads fp32 copies instead,
 twice the size, and multiplies in fp32 (``widens``): 1.8x faster at 16 rows on an Ice Lake Xeon.
+Where oneDNN cannot pack bf16 at all (AVX2-only CPUs, ``bf16_packs``) fewer rows run the stock
+kernel (at one row 25 ms a step against 61 widened, AMD EPYC Zen 1, 2 threads).
 
 bf16 results equal the stock kernel's bit for bit in the shapes measured where they are not
 widened; fp32 and widened bf16 ones differ in the last bits (another kernel's summation order).
@@ -125,6 +127,16 @@ def bf16_arithmetic() -> bool:
     return any(probe() for probe in probes)
 
 
+@functools.cache
+def bf16_packs() -> bool:
+    """Can oneDNN pack a bf16 weight on this CPU? It needs AVX512-BW/VL/DQ or AVX-NE-CONVERT on
+    x86 (torch's own test, ``torch.ops.mkldnn._is_mkldnn_bf16_supported``): not on AVX2-only
+    CPUs (AMD before Zen 4, Intel's client cores before Arrow Lake), where ``_packed_product``
+    runs the stock bf16 kernel below ``WIDEN_FROM_ROWS`` rows and a widened fp32 copy from there."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return probe is None or bool(probe())
+
+
 def widens(weight: torch.Tensor, rows: int) -> bool:
     """Does a packed product of ``rows`` rows by ``weight`` run in fp32? For a bf16 weight on a
     CPU without bf16 arithmetic, from ``WIDEN_FROM_ROWS`` rows: the packed copy is fp32 (twice
@@ -181,6 +193,8 @@ def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()
     wide = widens(weight, rows)
+    if weight.dtype == torch.bfloat16 and not wide and not bf16_packs():
+        return F.linear(x, weight, bias)  # 25 ms against 61 widened, one row, AMD EPYC Zen 1 (bf16_packs)
     if wide:  # fp32 operands on an fp32 copy; the output is rounded back below
         x, bias = x.float(), None if bias is None else bias.float()
     out = torch.ops.mkldnn._linear_pointwise(x, _packed(weight, rows, wide), bias, "none", [], "")

@@ -35,10 +35,11 @@ Linears = Literal["default", "onednn", "packed", "matvec", "native", "exact"]
 """How a pass computes its linears and activations: ``default``, torch's kernels; ``onednn``,
 oneDNN's product on fp32 weights as they are (eager decode steps on AMD CPUs); ``packed``, on weights
 pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``matvec``,
-matrix-vector products (eager bf16 decode steps of one row on the CPU); ``native``, each
-run of decoder layers in one call to ``attn::decode_layers`` (``attn.native_step``) and the
-output layer by attn's few-row products (eager decode steps on a CPU with AVX512-BF16, of models whose layers it takes:
-``TransformerDecoder.native_layers``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
+matrix-vector products (eager bf16 decode steps of one row on the CPU); ``native``, attn's
+few-row products (eager decode steps on a CPU with AVX2 or AVX-512: ``attn.native.native_product``),
+with each run of decoder layers in one call to ``attn::decode_layers`` where the CPU has
+AVX512-BF16 and the model's layers are ones it takes (``TransformerDecoder.native_layers``,
+``attn.native_step``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
 
 
 class PassPlan(NamedTuple):

@@ -38,6 +38,9 @@ needs_bf16_matvec = pytest.mark.skipif(
 needs_amx = pytest.mark.skipif(
     not attn.native._has_amx(), reason="attn::amx_linear needs a CPU with AMX-BF16; this one has none"
 )
+needs_avx2 = pytest.mark.skipif(
+    not attn.native._has_avx2(), reason="attn::avx2_linear needs a CPU with AVX2; this one has none"
+)
 needs_avx512 = pytest.mark.skipif(
     not attn.native._has_avx512(), reason="attn::decode_attention needs a CPU with AVX-512; this one has none"
 )

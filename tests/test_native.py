@@ -1,4 +1,5 @@
-"""attn.native: the few-row bf16 kernels ``attn::bf16_matvec`` and ``attn::amx_linear``, the
+"""attn.native: the few-row kernels ``attn::bf16_matvec``, ``attn::fp32_linear``,
+``attn::amx_linear`` and ``attn::avx2_linear``, the
 few-query attention kernel ``attn::decode_attention`` and the decoder layers' step
 ``attn::decode_layers`` against float64 references, their errors, and what happens where they
 cannot be built."""
@@ -19,15 +20,18 @@ import attn.native
 from attn.native import (
     AMX_FROM_ROWS,
     AMX_LINEAR_MAX_ROWS,
+    AVX2_LINEAR_MAX_ROWS,
     BF16_MATVEC_MAX_ROWS,
     FP32_LINEAR_MAX_ROWS,
     bf16_linear_kernel,
     bf16_matvec_available,
     build_native,
     decode_attention_available,
+    decode_layers_available,
+    native_product,
 )
 
-from .conftest import naive_attention, needs_amx, needs_avx512, needs_bf16_matvec
+from .conftest import naive_attention, needs_amx, needs_avx2, needs_avx512, needs_bf16_matvec, tiny_model
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -90,6 +94,24 @@ def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, th
     )
 
 
+@needs_avx2
+@given(
+    outputs=st.integers(1, 70),  # blocks of 4, 3 or 1 weight rows, and the rest
+    features=st.integers(1, 80),  # 16 features a step, and a tail summed one by one
+    rows=st.integers(1, AVX2_LINEAR_MAX_ROWS),  # passes of up to 4 rows
+    layout=_LAYOUTS,
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=80, deadline=None)
+def test_avx2_equals_a_float64_product_rounded_once(outputs, features, rows, layout, bias, threads, dtype, seed):
+    _assert_product_rounded_once(
+        torch.ops.attn.avx2_linear, outputs, features, rows, layout, bias, threads, seed, dtype=dtype
+    )
+
+
 @needs_amx
 @given(
     outputs=st.integers(1, 200),  # blocks of 16 outputs, a short last one, threads' shares
@@ -115,15 +137,16 @@ def test_each_row_count_gets_the_faster_kernel():
 
 
 @pytest.mark.parametrize(
-    ("kernel", "rows"),
-    [pytest.param("bf16_matvec", rows, marks=needs_bf16_matvec) for rows in (1, 4, 8)]
-    + [pytest.param("amx_linear", rows, marks=needs_amx) for rows in (5, 16, 32)]
-    + [pytest.param("fp32_linear", rows, marks=needs_bf16_matvec) for rows in (9, 16)],
+    ("kernel", "rows", "dtype"),
+    [pytest.param("bf16_matvec", rows, torch.bfloat16, marks=needs_bf16_matvec) for rows in (1, 4, 8)]
+    + [pytest.param("amx_linear", rows, torch.bfloat16, marks=needs_amx) for rows in (5, 16, 32)]
+    + [pytest.param("fp32_linear", rows, torch.float32, marks=needs_bf16_matvec) for rows in (9, 16)]
+    + [pytest.param("avx2_linear", rows, torch.bfloat16, marks=needs_avx2) for rows in (1, 3, 16)]
+    + [pytest.param("avx2_linear", rows, torch.float32, marks=needs_avx2) for rows in (2, 16)],
 )
-def test_close_to_f_linear_on_decode_shapes(kernel, rows):
+def test_close_to_f_linear_on_decode_shapes(kernel, rows, dtype):
     """The SmolLM2-135M shape's products and head: within one step of the dtype of F.linear
     (both sum in fp32, in different orders), and equal in almost every bf16 output."""
-    dtype = torch.float32 if kernel == "fp32_linear" else torch.bfloat16
     for outputs, features in [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]:
         x, weight = _bf16((rows, 1, features), outputs).to(dtype), _bf16((outputs, features), features).to(dtype)
         got, expected = getattr(torch.ops.attn, kernel)(x, weight, None), F.linear(x, weight)
@@ -189,6 +212,18 @@ _BF16 = {"dtype": torch.bfloat16}
         _bad(
             "fp32_linear", torch.ones(1, 8), torch.ones(4, 8), torch.ones(5), r"fp32 \(4,\) vector", needs_bf16_matvec
         ),
+        _bad(
+            "avx2_linear",
+            torch.ones(1, 8, dtype=torch.half),
+            torch.ones(4, 8, dtype=torch.half),
+            None,
+            "takes bf16 or fp32 tensors, got x Half",
+            needs_avx2,
+        ),
+        _bad("avx2_linear", torch.ones(1, 8, **_BF16), torch.ones(4, 8), None, "takes bf16 tensors", needs_avx2),
+        _bad("avx2_linear", torch.ones(17, 8), torch.ones(4, 8), None, "1 to 16 rows of x, got 17", needs_avx2),
+        _bad("avx2_linear", torch.ones(1, 6), torch.ones(4, 6).T, None, "contiguous", needs_avx2),
+        _bad("avx2_linear", torch.ones(1, 8), torch.ones(4, 8), torch.ones(5), r"\(4,\) vector", needs_avx2),
         _bad("amx_linear", torch.ones(1, 32), torch.ones(4, 32), None, "takes bf16 tensors", needs_amx),
         _bad(
             "amx_linear",
@@ -356,19 +391,68 @@ def test_a_header_edit_changes_the_build_flags(tmp_path, monkeypatch):
     assert before.startswith("-DATTN_HEADERS_SHA256=")
 
 
-def test_a_cpu_without_avx512_is_told_so_and_not_offered_the_kernels(monkeypatch):
-    monkeypatch.setattr(attn.native, "_has_avx512", lambda: False)
+def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
+    for probe in ("_has_avx2", "_has_avx512", "_has_avx512_bf16"):
+        monkeypatch.setattr(attn.native, probe, lambda: False)
     attn.native._built_here.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="need an x86 CPU with AVX-512"):
+        with pytest.raises(RuntimeError, match="need an x86 CPU with AVX2"):
             build_native()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # not a build failure: no warning
             assert decode_attention_available() is False
             assert bf16_matvec_available() is False
             assert bf16_linear_kernel(1, 576) is None and bf16_linear_kernel(16, 576) is None
+            assert native_product(1, 576, torch.float32) is None
     finally:
         attn.native._built_here.cache_clear()
+
+
+@needs_avx2
+def test_a_cpu_with_avx2_and_no_avx512_gets_the_avx2_products_only(monkeypatch):
+    for probe in ("_has_avx512", "_has_avx512_bf16", "_has_amx"):
+        monkeypatch.setattr(attn.native, probe, lambda: False)
+    avx2 = torch.ops.attn.avx2_linear.default
+    for dtype in (torch.bfloat16, torch.float32):
+        assert [native_product(rows, 576, dtype) for rows in (1, AVX2_LINEAR_MAX_ROWS)] == [avx2, avx2]
+        assert native_product(AVX2_LINEAR_MAX_ROWS + 1, 576, dtype) is None  # a matrix product
+    assert native_product(1, 576, torch.float16) is None
+    assert decode_attention_available() is False and decode_layers_available() is False
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators a block calls, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_avx2_cpus_decode_steps_run_attns_products_and_match_an_uncached_pass(monkeypatch, dtype):
+    """Without AVX-512 an eager decode step's linears are attn::avx2_linear calls (the layers
+    as modules: no attn::decode_layers), and its logits those of a pass without the cache."""
+    for probe in ("_has_avx512", "_has_avx512_bf16", "_has_amx"):
+        monkeypatch.setattr(attn.native, probe, lambda: False)
+    model = tiny_model(2).to(dtype)
+    tokens = torch.randint(0, 61, (3, 6), generator=torch.Generator().manual_seed(0))
+    model.setup_caches(3, 6)
+    with attn.cached_inference(model):
+        steps = [model(tokens[:, :4])]
+        with _Calls() as calls:
+            steps += [model(tokens[:, i : i + 1]) for i in (4, 5)]
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.layers.modules()) + 1  # and the output layer
+    assert calls.names.count("attn.avx2_linear.default") == 2 * linears
+    assert not any("decode_layers" in name or "linear_pointwise" in name for name in calls.names)
+    with torch.no_grad():
+        want = model(tokens)
+    tolerance = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+    torch.testing.assert_close(torch.cat(steps, 1), want, **tolerance)
 
 
 def test_a_cpu_without_avx512_bf16_is_not_offered_the_bf16_kernel(monkeypatch):
@@ -385,6 +469,7 @@ def test_a_failed_build_warns_once_with_the_compilers_error(monkeypatch):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(attn.native, "_has_avx512", lambda: True)
+    monkeypatch.setattr(attn.native, "_has_avx2", lambda: True)
     monkeypatch.setattr(attn.native, "_built", False)  # as in a process that has not loaded it yet
     monkeypatch.setattr(cpp_extension, "load", fail)
     attn.native._built_here.cache_clear()
@@ -650,6 +735,8 @@ def _opcheck_cases():
         pytest.param("bf16_matvec", lambda: (bf16(3, 32), bf16(16, 32), bf16(16)), marks=needs_bf16_matvec),
         pytest.param("fp32_linear", lambda: (bf16(3, 32).float(), bf16(16, 32).float(), None), marks=needs_bf16_matvec),
         pytest.param("amx_linear", lambda: (bf16(5, 32), bf16(16, 32), None), marks=needs_amx),
+        pytest.param("avx2_linear", lambda: (bf16(3, 40), bf16(16, 40), bf16(16)), marks=needs_avx2),
+        pytest.param("avx2_linear", lambda: (bf16(17, 40).float()[:5], bf16(9, 40).float(), None), marks=needs_avx2),
     ]
 
     def layers():

@@ -159,11 +159,38 @@ def test_bf16_products_widen_from_four_rows_on_a_cpu_without_bf16_arithmetic(
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.02)
         wide = not cpu_bf16 and rows >= packed.WIDEN_FROM_ROWS
-        assert packed._PACKS[weight][1].dtype == (torch.float32 if wide else torch.bfloat16)
+        if wide or packed.bf16_packs():
+            assert packed._PACKS[weight][1].dtype == (torch.float32 if wide else torch.bfloat16)
+        else:  # oneDNN cannot pack bf16 on this CPU: the stock kernel, nothing packed
+            assert weight not in packed._PACKS
     fp32 = weight.float()
     with packed_linears():
         linear(torch.randn(16, 40), fp32)
     assert packed._PACKS[fp32][1].dtype == torch.float32  # fp32 weights are packed as they are
+
+
+def test_where_onednn_cannot_pack_bf16_a_few_rows_run_the_stock_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2-only CPUs: oneDNN's bf16 reorder raises there, so fewer than ``WIDEN_FROM_ROWS``
+    rows run ``F.linear`` (bit for bit) and more read a widened fp32 copy."""
+    monkeypatch.setattr(packed, "bf16_packs", lambda: False)
+    monkeypatch.setattr(packed, "bf16_arithmetic", lambda: False)
+    torch.manual_seed(1)
+    weight, bias = torch.randn(24, 40).bfloat16(), torch.randn(24).bfloat16()
+    x = torch.randn(packed.WIDEN_FROM_ROWS - 1, 40).bfloat16()
+    with packed_linears():
+        got = linear(x, weight, bias)
+    assert torch.equal(got, F.linear(x, weight, bias)) and weight not in packed._PACKS
+    with packed_linears():
+        linear(torch.randn(packed.WIDEN_FROM_ROWS, 40).bfloat16(), weight, bias)
+    assert packed._PACKS[weight][1].dtype == torch.float32
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads x86 /proc/cpuinfo")
+def test_bf16_packs_agrees_with_the_cpu_flags() -> None:
+    with open("/proc/cpuinfo") as cpuinfo:
+        flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
+    avx512 = {"avx512bw", "avx512vl", "avx512dq"} <= flags
+    assert packed.bf16_packs() == (avx512 or "avx_ne_convert" in flags)
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads x86 /proc/cpuinfo")
@@ -275,6 +302,13 @@ def test_it_takes_the_model_through_its_wrappers() -> None:
 
 
 @pytest.fixture
+def torch_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU whose decode-step products attn's own kernels do not take (none of AVX2, AVX-512):
+    the kernels chosen are torch's (attn's are ``tests/test_native.py``'s)."""
+    monkeypatch.setattr(attn.decoder, "native_product", lambda rows, features, dtype: None)
+
+
+@pytest.fixture
 def as_vendor(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str | None], None]]:
     """Sets the CPU vendor ``attn.packed.plain_onednn_faster`` reads, for the test."""
 
@@ -287,7 +321,7 @@ def as_vendor(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str | None]
 
 
 def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(
-    monkeypatch: pytest.MonkeyPatch, as_vendor: Callable[[str | None], None]
+    monkeypatch: pytest.MonkeyPatch, as_vendor: Callable[[str | None], None], torch_products: None
 ) -> None:
     """On an AMD CPU: no packed copy, and only decode steps; bf16 steps keep F.linear."""
     as_vendor("AuthenticAMD")
@@ -318,7 +352,10 @@ def test_a_default_fp32_decode_step_runs_onednn_on_the_weights_as_they_are(
 
 @pytest.mark.parametrize("vendor", ["GenuineIntel", None])
 def test_a_default_fp32_decode_step_keeps_f_linear_off_amd_cpus(
-    monkeypatch: pytest.MonkeyPatch, as_vendor: Callable[[str | None], None], vendor: str | None
+    monkeypatch: pytest.MonkeyPatch,
+    as_vendor: Callable[[str | None], None],
+    vendor: str | None,
+    torch_products: None,
 ) -> None:
     """MKL's F.linear is the faster there (docs/performance.md): no oneDNN call, no copy."""
     as_vendor(vendor)
@@ -346,7 +383,9 @@ def test_cpu_vendor_agrees_with_proc_cpuinfo() -> None:
     assert packed.plain_onednn_faster() == (expected == "AuthenticAMD")
 
 
-def test_the_plan_names_the_linear_kernels_of_each_pass(as_vendor: Callable[[str | None], None]) -> None:
+def test_the_plan_names_the_linear_kernels_of_each_pass(
+    as_vendor: Callable[[str | None], None], torch_products: None
+) -> None:
     as_vendor("AuthenticAMD")
     model = tiny_model()
     assert model.linear_kernels(True, 1, 4) == "onednn"  # a CPU fp32 decode step where oneDNN's is the faster
@@ -407,7 +446,9 @@ def test_matvec_runs_one_row_bf16_products_only(monkeypatch: pytest.MonkeyPatch)
     assert rows == [1]
 
 
-def test_a_bf16_decode_step_at_batch_1_runs_matrix_vector_products(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bf16_decode_step_at_batch_1_runs_matrix_vector_products(
+    monkeypatch: pytest.MonkeyPatch, torch_products: None
+) -> None:
     """Each projection and the head once a step; not in a prefill, at batch 2 or compiled."""
     calls: list[torch.Tensor] = []
     original = packed._matvec

@@ -16,6 +16,7 @@ namespace attn {
 constexpr int64_t kBf16MatvecMaxRows = 16;
 constexpr int64_t kFp32LinearMaxRows = 16;
 constexpr int64_t kAmxLinearMaxRows = 32;  // two tiles of 16 rows of x
+constexpr int64_t kAvx2LinearMaxRows = 16;
 
 // y = x W^T (+ bias): x (..., K) bf16 of 1 to 16 rows (few_rows_linear.cpp).
 at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
@@ -25,6 +26,9 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 // y = x W^T (+ bias): x (..., K) bf16 of 1 to 32 rows, K a multiple of 32, with AMX (amx_linear.cpp).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+// y = x W^T (+ bias): x (..., K) bf16 or fp32 of 1 to 16 rows, with AVX2 and FMA (avx2_linear.cpp).
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // bf16_matvec and fp32_linear of x by up to 4 weights of one K at once: one parallel region,
 // each thread's blocks running from one product into the next.
