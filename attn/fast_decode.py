@@ -94,12 +94,12 @@ from attn.checks import is_int
 from attn.frames import on_fresh_stack
 from attn.kv_cache import CacheState
 from attn.native import (
-    FP32_LINEAR_MAX_ROWS,
     bf16_linear_kernel,
     build_native,
     decode_attention_available,
-    fp32_linear_available,
+    native_available,
     native_head_dim,
+    native_product,
 )
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
@@ -244,6 +244,7 @@ def _rewrite_decode_attention(gm: torch.fx.GraphModule, max_queries: int, native
             native
             and isinstance(head_dim, int)
             and native_head_dim(head_dim)
+            and decode_attention_available()
             and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and isinstance(v, torch.Tensor)
@@ -312,7 +313,8 @@ def _rewrite_small_linears(
     """Points every linear with at most ``max_rows`` input rows at ``rowwise_linear``; with
     ``native``, a bf16 one that a native kernel takes (``attn.native.bf16_linear_kernel``: up
     to 16 rows, or up to 32 with AMX, whatever ``max_rows``) at that kernel, and an fp32 one
-    of more than ``max_rows`` and at most 16 rows at ``attn::fp32_linear``; but with
+    of more than ``max_rows`` rows at the one that takes it (``attn.native.native_product``:
+    ``attn::fp32_linear`` or, without AVX-512, ``attn::avx2_linear``, up to 16 rows); but with
     ``packed`` (the model asked for packed decode) every linear of more than ``max_rows``
     rows at ``attn.packed.packed_linear``.
 
@@ -346,8 +348,8 @@ def _rewrite_small_linears(
         ):
             if dtype == torch.bfloat16:
                 kernel = bf16_linear_kernel(rows, int(weight.shape[1]))
-            elif dtype == torch.float32 and max_rows < rows <= FP32_LINEAR_MAX_ROWS and fp32_linear_available():
-                kernel = torch.ops.attn.fp32_linear.default
+            elif dtype == torch.float32 and rows > max_rows:
+                kernel = native_product(rows, int(weight.shape[1]), dtype)
         if kernel is None and not small:  # symbolic or large: a matrix product
             if packed:
                 node.target = torch.ops.attn.packed_linear.default
@@ -612,7 +614,7 @@ class DecodeCompiled(nn.Module):
         devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
         if self.native is False or devices - {"cpu"}:
             return False
-        return self.native or decode_attention_available()  # True: compile_for_decode built them already
+        return self.native or native_available()  # True: compile_for_decode built them already
 
     def _runs_native_layers(self, batch_size: int) -> bool:
         """Does a cached step of ``batch_size`` rows run the model's eager step, its layers
@@ -723,9 +725,11 @@ def compile_for_decode(
             ``attn::amx_linear`` (AMX), and of at most 16 rows (fewer than 5 with AMX)
             ``attn::bf16_matvec`` (AVX512-BF16 dot products), whatever ``max_rows``; fp32 linears of more than
             ``max_rows`` and at most 16 rows ``attn::fp32_linear`` (AVX512-BF16 CPUs), where
-            the CPU has those instructions. ``None`` (default) where the CPU has AVX-512 and
-            the build succeeds (else one warning and inductor's code), ``True`` to require
-            the build (its error if not), ``False`` for inductor's code.
+            the CPU has those instructions; on a CPU with AVX2 and no AVX-512 both dtypes'
+            linears ``attn::avx2_linear`` (attention stays inductor's). ``None`` (default)
+            where the CPU has AVX2 or AVX-512 and the build succeeds (else one warning and
+            inductor's code), ``True`` to require the build (its error if not), ``False`` for
+            inductor's code.
         native_layers: cached steps the model's eager step runs as ``attn::decode_layers``
             calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, a
             Llama-style model, rows its products take) run so, and compile nothing: that step

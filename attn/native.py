@@ -91,6 +91,7 @@ __all__ = [
     "decode_layers_available",
     "fp32_linear_available",
     "amx_from_rows",
+    "native_available",
     "native_head_dim",
     "native_product",
 ]
@@ -284,6 +285,13 @@ def _built_here() -> bool:
         )
         return False
     return True
+
+
+def native_available() -> bool:
+    """Is the extension built here (a CPU with AVX2 or AVX-512; built on the first call, and a
+    failed build warns once and answers no)? Each kernel's own ``*_available`` says whether
+    this CPU runs it."""
+    return _built_here()
 
 
 def bf16_matvec_available() -> bool:

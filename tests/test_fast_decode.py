@@ -35,6 +35,7 @@ from .conftest import (
     naive_attention,
     needs_amx,
     needs_bf16_matvec,
+    needs_native_products,
     poison_on_reset,
     tiny_model,
 )
@@ -327,10 +328,11 @@ def test_a_new_batch_size_compiles_its_own_graph_with_every_linear_rewritten() -
     assert fast.stats.linears_rewritten == 2 * (7 * _layers_compiled(model) + 1)
 
 
-@needs_bf16_matvec
+@needs_native_products
 def test_fp32_rows_past_max_rows_call_the_native_product_and_equal_eager() -> None:
-    """A GRPO-sized fp32 batch (16 rows, past ``max_rows``): every linear calls
-    ``attn::fp32_linear`` instead of the BLAS kernel, and the greedy tokens equal eager's."""
+    """A GRPO-sized fp32 batch (16 rows, past ``max_rows``): every linear calls attn's product
+    (``attn::fp32_linear``, or ``attn::avx2_linear`` without AVX-512) instead of the BLAS
+    kernel, and the greedy tokens equal eager's."""
     model = tiny_model(19, head_dim=16)
     fast = compile_for_decode(model, native_layers=False)
     prompts = [[1 + i % 7, 2 + i % 5, 3] for i in range(16)]
