@@ -312,22 +312,62 @@ def test_native_step_follows_every_change_between_steps() -> None:
     machine().runTest()
 
 
+_NOT_NATIVE_LAYERS = {
+    "gemma2": lambda: _native_model(torch.float32, **GEMMA_OPTIONS["gemma2"]),
+    "ragged": lambda: _native_model(torch.float32, hidden_dim=40),  # not whole vectors
+}
+
+
 @needs_bf16_matvec
 @pytest.mark.parametrize(
     ("build", "batch", "expected"),
     [
-        (lambda: _native_model(torch.float32, **GEMMA_OPTIONS["gemma2"]), 2, "onednn"),
-        (lambda: _native_model(torch.float32, hidden_dim=40), 2, "onednn"),  # not whole vectors
+        (_NOT_NATIVE_LAYERS["gemma2"], 2, "native"),  # attn's products, the layers as modules
+        (_NOT_NATIVE_LAYERS["ragged"], 2, "native"),
         (lambda: _native_model(torch.float32), 17, "onednn"),  # past the fp32 product's 16 rows
         (lambda: _native_model(torch.bfloat16), 33, "default"),  # past every bf16 product's rows
     ],
 )
-def test_layers_it_does_not_compute_keep_the_other_kernels(build, batch: int, expected: str) -> None:
+def test_layers_it_does_not_compute_run_as_modules(build, batch: int, expected: str) -> None:
+    """A model or a batch attn::decode_layers does not take runs its layers as modules: on
+    attn's few-row products where they take every linear, else on the other kernels."""
     model = build()
     model.setup_caches(batch, 16)
+    assert not model.native_layers(batch)
     got = model.linear_kernels(True, 1, batch)
-    assert got != "native"
     assert got == expected or (expected == "onednn" and got == "default")  # onednn: AMD CPUs only
+
+
+class _Operators(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators a block calls, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_bf16_matvec
+@pytest.mark.parametrize("name", sorted(_NOT_NATIVE_LAYERS))
+def test_layers_run_as_modules_on_attns_products_match_an_uncached_pass(name: str) -> None:
+    """Those layers' decode steps call attn::fp32_linear for every linear and never
+    attn::decode_layers, and their logits are those of a pass without the cache."""
+    model = _NOT_NATIVE_LAYERS[name]()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    model.setup_caches(2, 6)
+    with attn.cached_inference(model):
+        steps = [model(tokens[:, :4])]
+        with _Operators() as calls:
+            steps += [model(tokens[:, i : i + 1]) for i in (4, 5)]
+    linears = sum(isinstance(m, nn.Linear) for m in model.layers.modules()) + 1  # and the output layer
+    assert calls.names.count("attn.fp32_linear.default") == 2 * linears
+    assert not any("decode_layers" in call for call in calls.names)
+    with torch.no_grad():
+        want = model(tokens)
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=2e-5, rtol=2e-5)
 
 
 @needs_bf16_matvec
