@@ -218,10 +218,12 @@ flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16
 
 def test_cpu_description_names_the_kind_from_the_first_processor() -> None:
     assert run_module.cpu_description(ICE_LAKE) == (
-        "Intel(R) Xeon(R) Processor @ 2.60GHz [GenuineIntel 6/106; AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]"
+        "Intel(R) Xeon(R) Processor @ 2.60GHz [GenuineIntel 6/106; AVX2, AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]"
     )
     zen4 = ICE_LAKE.replace("GenuineIntel", "AuthenticAMD").replace("avx512_vnni", "avx512_bf16").replace("106", "17")
-    assert "AuthenticAMD 6/17; AVX-512, AVX512-BF16, no AMX;" in run_module.cpu_description(zen4)
+    assert "AuthenticAMD 6/17; AVX2, AVX-512, AVX512-BF16, no AMX;" in run_module.cpu_description(zen4)
+    zen1 = ICE_LAKE.replace(" avx512f ", " ").replace("106", "1")  # AVX2 kernels only (attn::avx2_linear)
+    assert "6/1; AVX2, no AVX-512, no AVX512-BF16, no AMX;" in run_module.cpu_description(zen1)
     # No vendor (another platform's cpuinfo, or none): the name alone.
     assert run_module.cpu_description("model name\t: Some CPU\n") == "Some CPU"
     assert run_module.cpu_description("")

@@ -342,14 +342,14 @@ def _median_latencies(runs: list[Generated], prompt_len: int) -> tuple[list[int]
 
 
 # The instruction sets that set a CPU kind's roofline for decode, as /proc/cpuinfo names them.
-_KIND_FLAGS = {"avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX"}
+_KIND_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX"}
 
 
 def cpu_description(cpuinfo: str) -> str:
     """The CPU's name and kind from the text of ``/proc/cpuinfo``: vendor, family and model
     (two Xeons of one name can be generations apart), the instruction sets a decode step's
     kernels depend on, and the last-level cache, e.g. ``Intel(R) Xeon(R) Processor @ 2.60GHz
-    [GenuineIntel 6/106; AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]``."""
+    [GenuineIntel 6/106; AVX2, AVX-512, no AVX512-BF16, no AMX; 48 MiB cache]``."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():  # the first processor's block is enough
