@@ -26,7 +26,7 @@ from attn.kv_cache import CacheState, KVCache
 from attn.native import decode_layers_available, native_product
 from attn.native_step import NativeStep, global_hooks
 from attn.norm import RMSNorm
-from attn.packed import Linear, linear, packed_decode_available, packed_linears, plain_onednn_faster
+from attn.packed import Linear, bf16_arithmetic, linear, packed_decode_available, packed_linears, plain_onednn_faster
 from attn.parity import ParityKernels
 from attn.plan import Kernel, Linears, PassPlan, check_cached_pass, check_pass_inputs, plan_pass
 from attn.policy import explicit_decision, inference_mode_decides, uses_cache
@@ -577,7 +577,9 @@ class TransformerDecoder(nn.Module):
         where ``attn.set_packed_decode`` asked for them, else attn's few-row products where
         they take every linear (``native_products``), else oneDNN's on the weights as they are:
         in a CPU fp32 model where that is the faster (``attn.packed.plain_onednn_faster``: AMD
-        CPUs), and as matrix-vector products in a CPU bf16 model at batch 1; else torch's."""
+        CPUs), and as matrix-vector products in a CPU bf16 model at batch 1; for any other
+        pass without gradients (a prefill, scoring) of a CPU bf16 model on a CPU without bf16
+        arithmetic, its products of many rows in fp32 (``"widened"``); else torch's."""
         if self.parity:
             return "exact"
         # A branch on the switch, before any return: a compiled step guards it on every release
@@ -586,14 +588,30 @@ class TransformerDecoder(nn.Module):
             kernels: Linears = "packed"
         else:
             kernels = self._plain_weight_kernels(batch_size)
-        if not (use_cache and num_tokens == 1) or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return "default"
+        if not (use_cache and num_tokens == 1):
+            return "widened" if self._widens_products() else "default"
         if kernels != "packed" and self.native_products(batch_size):
             return "native"
         if not packed_decode_available():
             return "default"
         # The vendor only here, past the compile check: a traced step cannot read /proc/cpuinfo.
         return "default" if kernels == "onednn" and not plain_onednn_faster() else kernels
+
+    def _widens_products(self) -> bool:
+        """Does a pass other than a decode step run its bf16 products in fp32
+        (``attn.plan.Linears``: ``"widened"``)? For a CPU bf16 model on a CPU without bf16
+        arithmetic (``attn.packed.bf16_arithmetic``: oneDNN's bf16 product there runs at a fifth
+        of fp32's), in a pass without gradients: with them, autograd would keep each layer's
+        fp32 weight copy for the backward pass (twice the bf16 weights' memory a forward)."""
+        weight = self.tok_embeddings.weight
+        return (
+            not torch.is_grad_enabled()
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and not bf16_arithmetic()
+        )
 
     def native_products(self, batch_size: int) -> bool:
         """Do attn's few-row kernels take every linear of an eager decode step of

@@ -31,7 +31,7 @@ Kernel = Literal["sdpa", "softcap", "exact"]
 soft-capped before the softmax (Gemma 2: ``attn.attention.softcapped_attention``); ``exact``,
 parity mode's float64 scores and sums (``attn.parity.exact_attention``)."""
 
-Linears = Literal["default", "onednn", "packed", "matvec", "native", "exact"]
+Linears = Literal["default", "onednn", "packed", "matvec", "native", "widened", "exact"]
 """How a pass computes its linears and activations: ``default``, torch's kernels; ``onednn``,
 oneDNN's product on fp32 weights as they are (eager decode steps on AMD CPUs); ``packed``, on weights
 pre-packed for oneDNN (the same steps, where the model asks: ``attn.packed``); ``matvec``,
@@ -39,7 +39,9 @@ matrix-vector products (eager bf16 decode steps of one row on the CPU); ``native
 few-row products (eager decode steps on a CPU with AVX2 or AVX-512: ``attn.native.native_product``),
 with each run of decoder layers in one call to ``attn::decode_layers`` where the CPU has
 AVX512-BF16 and the model's layers are ones it takes (``TransformerDecoder.native_layers``,
-``attn.native_step``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
+``attn.native_step``); ``widened``, bf16 products of many rows in fp32 (passes without
+gradients other than decode steps, on a CPU without bf16 arithmetic:
+``attn.packed.WIDEN_EACH_CALL_FROM_ROWS``); ``exact``, parity mode's (``attn.parity.ParityKernels``)."""
 
 
 class PassPlan(NamedTuple):

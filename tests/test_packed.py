@@ -6,6 +6,7 @@ from __future__ import annotations
 import platform
 import threading
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -211,7 +212,8 @@ def test_what_it_cannot_pack_runs_the_stock_kernel(packs: list[torch.Tensor]) ->
 
 def test_an_unknown_kind_is_refused_before_the_switch_moves() -> None:
     switch = packed_linears("mkl")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"kind must be one of \('packed', 'onednn', 'matvec', 'native'\), got 'mkl'"):
+    kinds = r"\('packed', 'onednn', 'matvec', 'native', 'widened'\)"
+    with pytest.raises(ValueError, match=rf"kind must be one of {kinds}, got 'mkl'"):
         switch.__enter__()
     assert getattr(packed._this_thread, "kind", None) is None
 
@@ -470,3 +472,80 @@ def test_a_bf16_decode_step_at_batch_1_runs_matrix_vector_products(
         model(torch.tensor([[1, 2], [3, 4]]))
         model(torch.tensor([[3], [5]]))
     assert calls == []
+
+
+@given(
+    rows=st.integers(1, 3 * packed.WIDEN_EACH_CALL_FROM_ROWS),
+    dims=st.tuples(st.integers(1, 48), st.integers(1, 40)),
+    with_bias=st.booleans(),
+    block=st.integers(1, 2000),
+    seed=st.integers(0, 2**16),
+)
+def test_widened_products_round_the_exact_product_once(
+    rows: int, dims: tuple[int, int], with_bias: bool, block: int, seed: int
+) -> None:
+    """``kind="widened"``: from ``WIDEN_EACH_CALL_FROM_ROWS`` rows a bf16 product is the fp32
+    product of the bf16 operands, rounded to bf16 once, whatever the blocks the weight is widened
+    in (``WIDENED_WEIGHT_ELEMENTS``); fewer rows run ``F.linear`` bit for bit."""
+    n, k = dims
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    with packed_linears("widened"), mock.patch.object(packed, "WIDENED_WEIGHT_ELEMENTS", block):
+        got = linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    if rows < packed.WIDEN_EACH_CALL_FROM_ROWS:
+        assert torch.equal(got, F.linear(x, weight, bias))
+        return
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())  # (rows, n)
+    # fp32 sums of at most 41 exact products: within 41 fp32 ulps of the exact sum, then one bf16 rounding
+    fp32_slack = (
+        41 * 2.0**-23 * (x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs()))
+    )
+    bf16_ulp = 2.0 ** (torch.floor(torch.log2(exact.abs() + fp32_slack).clamp(min=-126)) - 7)
+    assert ((got.double() - exact).abs() <= bf16_ulp + fp32_slack).all()
+
+
+def test_passes_without_gradients_widen_bf16_products_on_a_cpu_without_bf16_arithmetic(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill or a scoring pass of a bf16 model where the CPU has no bf16 arithmetic runs its
+    products of many rows in fp32 (oneDNN's bf16 kernel is 4-6x slower there); a pass with
+    gradients, a decode step, an fp32 model and a CPU with bf16 arithmetic keep their kernels."""
+    model = tiny_model().to(torch.bfloat16)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8))
+    for cpu_bf16 in (True, False):
+        monkeypatch.setattr(attn.decoder, "bf16_arithmetic", lambda cpu_bf16=cpu_bf16: cpu_bf16)
+        with torch.no_grad():
+            assert (
+                model.linear_kernels(False, 8, 2)
+                == model.linear_kernels(True, 8, 2)
+                == ("default" if cpu_bf16 else "widened")
+            )
+            assert model.linear_kernels(True, 1, 2) != "widened"  # a decode step
+        assert model.linear_kernels(False, 8, 2) == "default"  # gradients: fp32 copies would be kept for backward
+    assert model.float().linear_kernels(False, 8, 2) == "default"
+    model.to(torch.bfloat16)
+
+    class Inputs(torch.overrides.TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[torch.dtype] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is F.linear:
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Inputs() as inputs:
+        widened = model(tokens)
+    assert set(inputs.dtypes) == {torch.float32}  # every product of the pass: 16 rows each
+    monkeypatch.setattr(attn.decoder, "bf16_arithmetic", lambda: True)
+    with torch.no_grad():
+        stock = model(tokens)
+    reference = model.float()(tokens)  # the same (bf16-valued) weights in fp32
+    assert widened.dtype == stock.dtype == torch.bfloat16
+    widened_error = (widened.float() - reference).abs().mean()
+    stock_error = (stock.float() - reference).abs().mean()
+    assert widened_error <= 1.5 * stock_error + 1e-3, (widened_error, stock_error)
