@@ -50,6 +50,18 @@ needs_avx512 = pytest.mark.skipif(
 )
 
 
+class OperatorCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operators a block calls, by name (``names``), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 # Tiny models: one intra-op thread is faster, and immune to a second core being busy.
 # Measured on the 2-core machine with other work running: the lm-eval and transformers
 # tests took minutes with two intra-op threads (each tiny matmul waits on a descheduled

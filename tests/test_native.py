@@ -31,7 +31,7 @@ from attn.native import (
     native_product,
 )
 
-from .conftest import naive_attention, needs_amx, needs_avx2, needs_avx512, needs_bf16_matvec, tiny_model
+from .conftest import OperatorCalls, naive_attention, needs_amx, needs_avx2, needs_avx512, needs_bf16_matvec, tiny_model
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -420,18 +420,6 @@ def test_a_cpu_with_avx2_and_no_avx512_gets_the_avx2_products_only(monkeypatch):
     assert decode_attention_available() is False and decode_layers_available() is False
 
 
-class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
-    """The operators a block calls, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @needs_avx2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_avx2_cpus_decode_steps_run_attns_products_and_match_an_uncached_pass(monkeypatch, dtype):
@@ -444,7 +432,7 @@ def test_an_avx2_cpus_decode_steps_run_attns_products_and_match_an_uncached_pass
     model.setup_caches(3, 6)
     with attn.cached_inference(model):
         steps = [model(tokens[:, :4])]
-        with _Calls() as calls:
+        with OperatorCalls() as calls:
             steps += [model(tokens[:, i : i + 1]) for i in (4, 5)]
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.layers.modules()) + 1  # and the output layer
     assert calls.names.count("attn.avx2_linear.default") == 2 * linears

@@ -21,7 +21,7 @@ from attn import TransformerDecoder
 from attn.native import native_product
 from attn.packed import Linear
 
-from .conftest import GEMMA_OPTIONS, needs_bf16_matvec, tiny_model
+from .conftest import GEMMA_OPTIONS, OperatorCalls, needs_bf16_matvec, tiny_model
 
 
 def _native_model(dtype: torch.dtype, **overrides: object) -> TransformerDecoder:
@@ -338,18 +338,6 @@ def test_layers_it_does_not_compute_run_as_modules(build, batch: int, expected: 
     assert got == expected or (expected == "onednn" and got == "default")  # onednn: AMD CPUs only
 
 
-class _Operators(torch.utils._python_dispatch.TorchDispatchMode):
-    """The operators a block calls, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @needs_bf16_matvec
 @pytest.mark.parametrize("name", sorted(_NOT_NATIVE_LAYERS))
 def test_layers_run_as_modules_on_attns_products_match_an_uncached_pass(name: str) -> None:
@@ -360,7 +348,7 @@ def test_layers_run_as_modules_on_attns_products_match_an_uncached_pass(name: st
     model.setup_caches(2, 6)
     with attn.cached_inference(model):
         steps = [model(tokens[:, :4])]
-        with _Operators() as calls:
+        with OperatorCalls() as calls:
             steps += [model(tokens[:, i : i + 1]) for i in (4, 5)]
     linears = sum(isinstance(m, nn.Linear) for m in model.layers.modules()) + 1  # and the output layer
     assert calls.names.count("attn.fp32_linear.default") == 2 * linears
