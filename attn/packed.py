@@ -211,8 +211,6 @@ def _widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     projection (Llama 3's 128,256 x 4,096) would otherwise copy 2 GiB for the call."""
     wide_x = x.float()
     step = max(1, WIDENED_WEIGHT_ELEMENTS // weight.shape[1])  # output features a block
-    if step >= weight.shape[0]:
-        return F.linear(wide_x, weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))  # (..., N), bf16
     for start in range(0, weight.shape[0], step):
         block = slice(start, start + step)
