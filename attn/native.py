@@ -10,14 +10,18 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   rows and prefetched. The 30 layers' products of the SmolLM2-135M shape, 2 threads, Xeon
   6/167: 9.0 ms at one row (24 GB/s), 11.1 at 4, 14.4 at 8, against 14.7-16.3 for inductor's
   reductions and ``torch.mv`` at one row and 15.5 for oneDNN on packed weights at any of those.
-  Past 8 rows, two passes (as ``attn::fp32_linear``), for CPUs without AMX: AMD EPYC (Zen 4),
-  the 30 layers and the head, 15.7-17.6 ms at 16 rows against 30.5-35.5 for ``F.linear``.
+  Past 8 rows, passes of 6 rows that take the same 4 weight rows (as ``attn::fp32_linear``),
+  for CPUs without AMX: AMD EPYC (Zen 4), the 30 layers and the head, 15.7-17.6 ms at 16 rows
+  with the former two passes (rows 0-7, then the rest) against 30.5-35.5 for ``F.linear``, and
+  0.92-0.93 of that time with passes of 6 (paired rounds in one process).
 - ``attn::fp32_linear`` (same file, same loop with FMAs): fp32 products of 1 to
   ``FP32_LINEAR_MAX_ROWS`` rows; ``compile_for_decode`` gives it those past its ``max_rows``
-  (inductor's reductions are as fast below). Past 8 rows, two passes of 3 weight rows (rows 0-7,
-  then the rest): 16 rows, the 30 layers and the head, weights read from memory, 32.5 ms (best
-  of 6) against 41.4 for one weight row a pass into all 16 rows, which had been 32.3-34.0 ms for
-  the 30 layers against 41.0-42.6 for MKL's ``F.linear`` on an hour of faster reads.
+  (inductor's reductions are as fast below). Past 8 rows, passes of 6 rows of 4 weight rows
+  each. The former two passes of 3 weight rows (rows 0-7, then the rest) took 32.5 ms (best of
+  6) at 16 rows, the 30 layers and the head, weights read from memory, against 41.4 for one
+  weight row a pass into all 16 rows, and 32.3-34.0 ms for the 30 layers against 41.0-42.6 for
+  MKL's ``F.linear`` on an hour of faster reads; passes of 6 take 0.96-0.97 of their time at 16
+  rows and 0.91 at 12 (Zen 4, paired rounds in one process).
 - ``attn::amx_linear`` (``amx_linear.cpp``): bf16 products of 1 to ``AMX_LINEAR_MAX_ROWS``
   rows with AMX tiles, reading the weight as it is stored. Same shape and machine: 11.6-12.6
   ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
@@ -101,8 +105,8 @@ BF16_MATVEC_MAX_ROWS = 16
 the CPU has AMX, ``attn::amx_linear`` takes ``AMX_FROM_ROWS`` rows and more."""
 
 FP32_LINEAR_MAX_ROWS = 16
-"""Most rows of x ``attn::fp32_linear`` takes (``kFp32LinearMaxRows``; past 8, two passes: rows
-0-7, then the rest)."""
+"""Most rows of x ``attn::fp32_linear`` takes (``kFp32LinearMaxRows``; past 8, passes of 6
+rows)."""
 
 AMX_LINEAR_MAX_ROWS = 32
 """Most rows of x ``attn::amx_linear`` takes (``kAmxLinearMaxRows``: two tiles of 16)."""

@@ -12,20 +12,23 @@
 // fp32 17.6 against 20.0 at 1 row, 19.3 against 26.8 at 8; not re-measured on the Intel kinds);
 // the M x R sums are then folded 16 at a time with one shuffle tree (attn::sum_each). Up to 8
 // rows one pass takes them all.
-// Past 8 a pass takes rows 0-7 and a second the rest, 3 weight rows at a time read again from
-// L1: 11 loads for 24 products, where one weight row into all 16 rows took 17 for 16 and ran
-// out of load ports before memory ran dry. Each pass prefetches half of the weight rows 6 ahead
-// into L2, so memory is read through both.
-//
+// Past 8, passes of 6 rows each take the same 4 weight rows, read again from L1: 10 loads for 24
+// products, where one weight row into all 16 rows took 17 for 16 and ran out of load ports
+// before memory ran dry. Pass i prefetches the weight rows r with r % passes == i, 2 R ahead,
+// into L2, so memory is read through all of them. On an AMD EPYC (Zen 4), 2 threads, the 30
+// layers and the head, both builds in one process, median of the paired per-round ratios
+// against the former split (rows 0-7, then the rest, 3 weight rows: 11 loads for 24 products):
+// bf16 0.92-0.93 at 16 rows, 0.91 at 12, 0.98 at 9; fp32 0.96-0.97 at 16, 0.91 at 12; the
+// sums are added in the same order, so the outputs are the same bits.
 // The 30 layers' products of the SmolLM2-135M shape on 2 threads of a Xeon 6/167: bf16 9.0 ms at
 // one row, 10.0 at 2, 11.1 at 4, 14.4 at 8, against 15.5 for oneDNN's product on packed weights
 // and 21-22 for F.linear at any of those. fp32 at 16 rows, the 30 layers and the head (weights
-// read from memory), against one weight row a pass, both built in one process and run in turn,
-// best / median of 6 rounds: 32.5 / 43.0 ms against 41.4 / 51.8 (the same loops in C: 27.7-30.2
-// against 37-44). bf16 past 8 rows is for CPUs without AMX (attn::amx_linear takes 5 to 32 rows
+// read from memory), the former two passes against one weight row a pass, both built in one
+// process and run in turn, best / median of 6 rounds: 32.5 / 43.0 ms against 41.4 / 51.8 (the
+// same loops in C: 27.7-30.2 against 37-44). bf16 past 8 rows is for CPUs without AMX (attn::amx_linear takes 5 to 32 rows
 // where there is AMX): on an AMD EPYC (Zen 4), 2 threads, the 30 layers and the head, best of
-// 16, 15.7-17.6 ms at 16 rows and 13.0-13.5 at 12 against 30.5-35.5 and 27.8-28.2 for F.linear
-// (oneDNN) in the same runs; at 5 to 8 rows 3 weight rows a pass (15.1-16.4 ms at 8) beat 2
+// 16, with the former two passes, 15.7-17.6 ms at 16 rows and 13.0-13.5 at 12 against 30.5-35.5
+// and 27.8-28.2 for F.linear (oneDNN) in the same runs; at 5 to 8 rows 3 weight rows a pass (15.1-16.4 ms at 8) beat 2
 // (16.8-17.3). Sums are fp32, in another order than other kernels'; a bf16 output is rounded
 // once (nearest even).
 // Products that share x (a layer's q, k and v; its gate and up) run in one parallel region
@@ -61,7 +64,7 @@ struct Bf16 {
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
   static constexpr int64_t kMaxRows = attn::kBf16MatvecMaxRows;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : 3; }  // > 8: two passes
+  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 3 : 4; }  // > 8: passes of 6 rows
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? (__m512bh)_mm512_maskz_loadu_epi16(tail, p) : (__m512bh)_mm512_loadu_si512(p);
   }
@@ -77,7 +80,7 @@ struct Fp32 {
   static constexpr int64_t kStep = 16;
   static constexpr int64_t kAhead = 8;
   static constexpr int64_t kMaxRows = attn::kFp32LinearMaxRows;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 3; }  // > 8: two passes
+  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 4; }  // > 8: passes of 6 rows
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
   }
@@ -92,12 +95,12 @@ template <typename D, int M, int R>
 ATTN_AVX512_BF16 inline void pass(__m512 (&acc)[M][R], const typename D::Value* w, const typename D::Value* X,
                                   int64_t K, int64_t k, typename D::Mask tail) {
   typename D::Vector weight[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) weight[r] = D::load(w + r * K + k, tail);
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m) {
     const typename D::Vector row = D::load(X + m * K + k, tail);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[m][r] = D::madd(acc[m][r], weight[r], row);
   }
 }
@@ -123,11 +126,11 @@ ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename 
   __m512 acc[M][R];
 #pragma GCC unroll 16
   for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < full; k += D::kStep) {
     if (ahead != nullptr) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = first; r < R; r += every) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T1);
     }
     pass<D, M, R>(acc, w, X, K, k, 0);
@@ -136,30 +139,38 @@ ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename 
   sum_all<M * R>(&acc[0][0], sums);
 }
 
+// Rows of x a pass takes: all of them up to 8; past 8, 6 (6 x 4 accumulators).
+constexpr int rows_a_pass(int m) { return m <= 8 ? m : 6; }
+
+// Rows [Start, M) of X against R weight rows from w, in passes of rows_a_pass(M): their sums
+// into sums[m * R + r]. Pass i prefetches the weight rows at `ahead` r with r % passes == i.
+template <typename D, int M, int R, int Start = 0>
+ATTN_AVX512_BF16 inline void sums_in_passes(const typename D::Value* w, const typename D::Value* X, int64_t K,
+                                            const typename D::Value* ahead, float* sums) {
+  constexpr int kPassRows = rows_a_pass(M);
+  constexpr int kPasses = (M + kPassRows - 1) / kPassRows;
+  constexpr int kRows = std::min(kPassRows, M - Start);
+  sums_of<D, kRows, R>(w, X + Start * K, K, ahead, Start / kPassRows, kPasses, sums + Start * R);
+  if constexpr (Start + kRows < M) sums_in_passes<D, M, R, Start + kRows>(w, X, K, ahead, sums);
+}
+
 // Outputs [n0, n1) of every row, R at a time ((n1 - n0) is a multiple of R). Up to 8 rows, one
-// pass multiplies each weight row into all of them; past 8, a pass takes rows 0-7 and a
-// second the rest, the weight rows read again from L1, so that a step loads R weight vectors and
-// 8 of x for 8 R products (0.46 loads a product at R = 3, against 1.06 for one weight row into
-// 16 rows). Each pass prefetches half of the next rows, into L2: memory stays busy in both.
+// pass multiplies each weight row into all of them; past 8, passes of 6 rows take the same 4
+// weight rows, read again from L1, so that a step loads 4 weight vectors and 6 of x for 24
+// products (0.42 loads a product, against 1.06 for one weight row into 16 rows).
 template <typename D, int M, int R>
 ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Value* X, const typename D::Value* bias,
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int kFirst = M > 8 ? 8 : M;  // rows of the first pass
   constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
-  // sums[m * R + r]; 16 spare: a second pass's sums start at 8 R and are rounded up to 16 alone
+  // sums[m * R + r]; a pass stores its sums rounded up to 16 floats, which the 16 spare cover
   alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];
   for (int64_t n = n0; n < n1; n += R) {
     const typename D::Value* w = W + n * K;
     const typename D::Value* ahead = n + kAhead + R <= N ? w + kAhead * K : nullptr;
-    if constexpr (M > 8) {
-      sums_of<D, kFirst, R>(w, X, K, ahead, 0, 2, sums);
-      sums_of<D, M - kFirst, R>(w, X + kFirst * K, K, ahead, 1, 2, sums + kFirst * R);
-    } else {
-      sums_of<D, M, R>(w, X, K, ahead, 0, 1, sums);
-    }
+    sums_in_passes<D, M, R>(w, X, K, ahead, sums);
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float sum = sums[m * R + r];
         if (bias != nullptr) sum += D::widen(bias[n + r]);
