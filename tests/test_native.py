@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn.native
@@ -75,6 +75,40 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
 @settings(max_examples=80, deadline=None)
 def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
+
+
+_EXACT_TERMS = st.tuples(st.integers(-255, 255), st.integers(-7, 7))  # m 2^e: 8 bits, exact in bf16
+
+
+@needs_bf16_matvec
+@given(
+    terms=st.lists(st.tuples(_EXACT_TERMS, _EXACT_TERMS, _EXACT_TERMS), min_size=1, max_size=9),
+    rows=st.integers(1, BF16_MATVEC_MAX_ROWS),
+    bias=st.booleans(),
+)
+@example(terms=[((128, 0), (1, -1), (0, 0))], rows=1, bias=False)  # 128.5: a tie, down to 128 (even)
+@example(terms=[((131, 0), (1, -1), (0, 0))], rows=16, bias=True)  # 131.5: a tie, up to 132
+@settings(max_examples=60, deadline=None)
+def test_matvec_rounds_each_sum_as_torch_rounds_fp32_to_bf16(terms, rows, bias):
+    """a + b (+ c), each of 8 significant bits with exponents 14 apart at most, is exact in fp32
+    (24 bits); the kernel's bf16 output is then that sum as torch rounds it (nearest, ties to even)."""
+    values = torch.tensor([[m * 2.0**e for m, e in row] for row in terms], dtype=torch.float64)  # (n, 3)
+    weight = values[:, :2].to(torch.bfloat16)  # (n, 2): exact
+    shift = values[:, 2].to(torch.bfloat16) if bias else None  # (n,)
+    got = torch.ops.attn.bf16_matvec(torch.ones(rows, 2, dtype=torch.bfloat16), weight, shift)  # (rows, n)
+    exact = values[:, 0] + values[:, 1] + (values[:, 2] if bias else 0)  # (n,)
+    assert torch.equal(exact.float().double(), exact)  # the fp32 sum is exact
+    want = exact.float().to(torch.bfloat16).expand(rows, -1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_bf16_matvec
+def test_matvec_rounds_a_nan_sum_to_torchs_nan():
+    x = torch.tensor([[1.0, float("nan")], [1.0, 2.0]], dtype=torch.bfloat16)
+    got = torch.ops.attn.bf16_matvec(x, torch.ones(5, 2, dtype=torch.bfloat16), None)  # (2, 5)
+    nan = torch.tensor(float("nan")).to(torch.bfloat16).view(torch.int16)  # 0x7fc0
+    assert torch.equal(got[0].view(torch.int16), nan.expand(5))
+    assert torch.equal(got[1], torch.full((5,), 3.0, dtype=torch.bfloat16))
 
 
 @needs_bf16_matvec
