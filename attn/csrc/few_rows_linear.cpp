@@ -126,9 +126,12 @@ ATTN_AVX512_BF16 inline void pass(__m512 (&acc)[M][R], const typename D::Value* 
   }
 }
 
-// The Count sums of Count accumulators into sums (Count rounded up to 16 floats).
+// The Count sums of Count accumulators into sums (Count rounded up to 16 floats). Always
+// inlined: called, it took the accumulators through memory, 24 stores and loads a pass; inlined
+// they stay in registers, 0.89-0.90 of the time of a bf16 product of 12 to 16 rows, 0.91-0.92 of
+// an fp32 one (Zen 4), the same at 1 and 8 rows.
 template <int Count>
-ATTN_AVX512_BF16 inline void sum_all(const __m512* acc, float* sums) {
+ATTN_AVX512_BF16 __attribute__((always_inline)) inline void sum_all(const __m512* acc, float* sums) {
   for (int i = 0; i < Count; i += 16) {
     __m512 block[16];
 #pragma GCC unroll 16
