@@ -13,15 +13,16 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   Past 8 rows, passes of 6 rows that take the same 4 weight rows (as ``attn::fp32_linear``),
   for CPUs without AMX: AMD EPYC (Zen 4), the 30 layers and the head, 15.7-17.6 ms at 16 rows
   with the former two passes (rows 0-7, then the rest) against 30.5-35.5 for ``F.linear``, and
-  0.92-0.93 of that time with passes of 6 (paired rounds in one process).
+  0.87 of that time with passes of 6, their fold inlined and a row of outputs rounded in one
+  vector (paired rounds in one process, 2026-12-06).
 - ``attn::fp32_linear`` (same file, same loop with FMAs): fp32 products of 1 to
   ``FP32_LINEAR_MAX_ROWS`` rows; ``compile_for_decode`` gives it those past its ``max_rows``
   (inductor's reductions are as fast below). Past 8 rows, passes of 6 rows of 4 weight rows
   each. The former two passes of 3 weight rows (rows 0-7, then the rest) took 32.5 ms (best of
   6) at 16 rows, the 30 layers and the head, weights read from memory, against 41.4 for one
   weight row a pass into all 16 rows, and 32.3-34.0 ms for the 30 layers against 41.0-42.6 for
-  MKL's ``F.linear`` on an hour of faster reads; passes of 6 take 0.96-0.97 of their time at 16
-  rows and 0.91 at 12 (Zen 4, paired rounds in one process).
+  MKL's ``F.linear`` on an hour of faster reads; passes of 6 with their fold inlined take 0.86
+  of their time at 16 rows (Zen 4, paired rounds in one process).
 - ``attn::amx_linear`` (``amx_linear.cpp``): bf16 products of 1 to ``AMX_LINEAR_MAX_ROWS``
   rows with AMX tiles, reading the weight as it is stored. Same shape and machine: 11.6-12.6
   ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
