@@ -36,12 +36,16 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   25.0, 88.2 and 345.5 for ``F.linear`` and 54.7, 89.8 and 124.8 for oneDNN on widened
   packed copies; fp32 27.1, 28.6 and 74.4 against 41.5, 74.0 and 113.1 for oneDNN's product.
 - ``attn::decode_attention`` (``decode_attention.cpp``): masked attention of a few queries per
-  row over the cache, fp32, bf16 or fp16, with AVX-512: one (row, query head) a task, scores 16
-  slots at a time, a vectorized softmax. One layer of that shape at 16 rows and 192 slots, 2
-  threads: 111-125 us against 199-263 for inductor's reductions
+  row over the cache, fp32, bf16 or fp16, with AVX-512: the query heads of one (row, kv head) a
+  task, so each key and value row is read once for the group; scores 16 slots at a time (bf16 by
+  vdpbf16ps where the CPU has AVX512-BF16), a vectorized softmax. One layer of that shape at 16
+  rows and 192 slots, 2 threads: 111-125 us against 199-263 for inductor's reductions
   (``attn.fast_decode.decode_attention``) alone, 196 against 287 inside a bf16 step, for the
-  kernel's first version; scores 16 slots at a time then took a layer's 160 slots from 170 to
-  108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8.
+  kernel's first version (Xeon 6/167); scores 16 slots at a time then took a layer's 160 slots
+  from 170 to 108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8. A
+  task a kv head's group: bf16 0.86 of the time before with caches from memory and 0.71 with one
+  layer's in cache, fp32 1.00 and 0.77 (Zen 4, paired rounds). ``widen=True`` takes the widening
+  path for bf16 on a CPU with AVX512-BF16 too, so tests cover both.
 
 - ``attn::decode_layers`` (``decode_layers.cpp``): a run of decoder layers' decode step in one
   call, calling the products and the attention above directly (q, k and v, and gate and up, one
@@ -138,7 +142,9 @@ _LIBRARY.define("bf16_matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("avx2_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIBRARY.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale) -> Tensor")
+_LIBRARY.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale, bool widen=False) -> Tensor"
+)
 _LIBRARY.define(
     "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
     "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows) -> Tensor"
@@ -188,7 +194,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 @torch.library.register_fake("attn::decode_attention")
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float, widen: bool = False
+) -> torch.Tensor:
     return q.new_empty(q.shape)  # (b, h, s, d), contiguous
 
 

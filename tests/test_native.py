@@ -6,6 +6,7 @@ cannot be built."""
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -291,23 +292,25 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @given(
     batch=st.integers(1, 3),
     kv_heads=st.integers(1, 2),
-    group=st.integers(1, 3),
+    group=st.integers(1, 9),  # a task takes a kv head's group x queries, up to 16 (more: parts)
     queries=st.integers(1, 2),
     length=st.integers(1, 40),  # 16 slots a vector step of the softmax, and a masked tail
     spare=st.integers(0, 5),  # k and v as views of a cache with more slots
     head_dim=st.sampled_from([16, 32, 48, 64, 128]),  # 64 and 128: unrolled loops; bf16 48: a half load
     dtype=st.sampled_from(sorted(_DTYPES)),
-    mask_form=st.sampled_from(["(s, L)", "(b, 1, s, L)", "(b, 1, s, 1)", "every other of 2L"]),
+    mask_form=st.sampled_from(["(s, L)", "(b, 1, s, L)", "(b, h, s, L)", "(b, 1, s, 1)", "every other of 2L"]),
     scale=st.sampled_from([None, 0.3]),
     threads=st.sampled_from([1, 2]),
+    widen=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=80, deadline=None)
 def test_attention_equals_a_float64_loop(
-    batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_form, scale, threads, seed
+    batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_form, scale, threads, widen, seed
 ):
     """fp32 scores, softmax and sums, rounded once to the dtype: within rounding of the exact
-    attention of the same (rounded) inputs; a query that may attend nothing gets zeros."""
+    attention of the same (rounded) inputs; a query that may attend nothing gets zeros. bf16
+    scores both ways: by vdpbf16ps where the CPU has AVX512-BF16, and from widened rows."""
     gen = torch.Generator().manual_seed(seed)
     heads, kind = kv_heads * group, _DTYPES[dtype]
     q = torch.randn(batch, heads, queries, head_dim, generator=gen).to(kind)
@@ -316,13 +319,14 @@ def test_attention_equals_a_float64_loop(
     shapes = {
         "(s, L)": (queries, length),
         "(b, 1, s, L)": (batch, 1, queries, length),
+        "(b, h, s, L)": (batch, heads, queries, length),  # the heads of a task with other spans
         "(b, 1, s, 1)": (batch, 1, queries, 1),
         "every other of 2L": (batch, 1, queries, 2 * length),
     }
     mask = torch.rand(shapes[mask_form], generator=gen) < 0.7  # some rows may allow nothing
     mask = mask[..., ::2] if mask_form == "every other of 2L" else mask
     torch.set_num_threads(threads)
-    got = torch.ops.attn.decode_attention(q, k, v, mask, head_dim**-0.5 if scale is None else scale)
+    got = torch.ops.attn.decode_attention(q, k, v, mask, head_dim**-0.5 if scale is None else scale, widen)
     assert got.shape == q.shape and got.dtype == kind and got.is_contiguous()
     tolerance = {"fp32": 1e-5, "bf16": 2**-8, "fp16": 2**-10}[dtype]
     expected = naive_attention(q, k, v, mask, scale)
@@ -336,27 +340,32 @@ def test_attention_equals_a_float64_loop(
     length=st.integers(1, 40),
     head_dim=st.sampled_from([16, 64]),
     dtype=st.sampled_from(sorted(_DTYPES)),
+    per_head=st.booleans(),
+    widen=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
-def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, dtype, seed):
-    """NaN keys and values in every masked slot, before the last allowed one and after it, give
-    the output that zeros there give: a masked slot's score is dropped by selection, not by a
-    weight of 0 times its value."""
+@settings(max_examples=60, deadline=None)
+def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, dtype, per_head, widen, seed):
+    """NaN keys and values in every slot the first head of each kv group may not attend, before
+    its last allowed slot and after it, give that head the output that zeros there give: a masked
+    slot's score is dropped by selection, not by a weight of 0 times its value, also where the
+    group's other head (read in the same pass over the values) may attend the slot."""
     gen = torch.Generator().manual_seed(seed)
     kind = _DTYPES[dtype]
-    q = torch.randn(2, 4, 1, head_dim, generator=gen).to(kind)
+    q = torch.randn(2, 4, 1, head_dim, generator=gen).to(kind)  # heads 0, 1 on kv head 0; 2, 3 on 1
     k, v = (torch.randn(2, 2, length, head_dim, generator=gen).to(kind) for _ in "kv")
-    mask = torch.rand(2, 1, 1, length, generator=gen) < 0.6
-    hidden = ~mask.reshape(2, 1, length)  # (b, 1, L): broadcast over the kv heads
-    clean = torch.ops.attn.decode_attention(
-        q, k.masked_fill(hidden[..., None], 0), v.masked_fill(hidden[..., None], 0), mask, 0.25
-    )
-    poisoned = torch.ops.attn.decode_attention(
-        q, k.masked_fill(hidden[..., None], float("nan")), v.masked_fill(hidden[..., None], float("nan")), mask, 0.25
-    )
-    assert not bool(poisoned.isnan().any())
-    torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+    mask = torch.rand(2, 4 if per_head else 1, 1, length, generator=gen) < 0.6
+    first = mask[:, ::2] if per_head else mask.expand(2, 2, 1, length)  # (b, kv heads, 1, L)
+    hidden = ~first.reshape(2, 2, length, 1)
+    attend = functools.partial(torch.ops.attn.decode_attention, q, attn_mask=mask, scale=0.25, widen=widen)
+    clean = attend(k.masked_fill(hidden, 0), v.masked_fill(hidden, 0))
+    checked = slice(None, None, 2) if per_head else slice(None)  # the others may attend a NaN slot
+    # NaN keys and values; NaN values alone (a key's NaN score gets no weight in any head, so
+    # only finite keys give the group's other head a NaN value with a weight).
+    for keys in (k.masked_fill(hidden, float("nan")), k.masked_fill(hidden, 0)):
+        poisoned = attend(keys, v.masked_fill(hidden, float("nan")))
+        assert not bool(poisoned[:, checked].isnan().any())
+        torch.testing.assert_close(poisoned[:, checked], clean[:, checked], rtol=0, atol=0)
 
 
 @needs_avx512

@@ -5,26 +5,32 @@
 // FLOPs per byte: 2 x d products for the score, d for the value. Inductor's code for the same
 // reductions (attn.fast_decode.decode_attention) ran at about 20 GFLOP/s in a 16-row step of the
 // SmolLM2-135M shape (8.6 ms of a 35 ms step on 2 threads of a Xeon 6/167), and the stock CPU
-// kernels are built for many queries. This one runs each (batch row, query head) as a task:
-// - the query scaled once in fp32; slots past the last allowed one are not read;
+// kernels are built for many queries. This one runs the queries of each (batch row, kv head) as
+// a task: its group of query heads at each query position (split in parts where that leaves
+// fewer than 4 tasks a thread, as at batch 1):
+// - slots past a query's last allowed one are not read for it;
 // - scores 16 slots at a time: one fp32 vector of partial products a slot, the 16 vectors summed
 //   lane-wise together (one shuffle tree, not 16 reductions), masked slots set to -inf by
-//   selection, so a slot's NaN never reaches the softmax;
+//   selection, so a slot's NaN never reaches the softmax. bf16 on a CPU with AVX512-BF16 takes
+//   vdpbf16ps on the raw rows (two exact products a lane, summed in fp32) and scales the sums;
+//   otherwise the rows are widened to fp32 and multiplied by the query scaled once;
 // - a vectorized softmax (exp by range reduction and a degree-7 polynomial, under 2 ulp);
-// - the weighted sum of the value rows, divided once by the total.
-// bf16 rows are widened 32 values a load by interleaving with zeros (one instruction a vector,
-// against two for a zero extension and a shift); the order this leaves them in is undone once a
-// query. Heads of 64 and 128 dims get loops the compiler unrolls. Query heads of one kv head are
-// neighbouring tasks, so their rows come from the core's cache; the first of them prefetches the
-// next kv head's rows into L2. A query whose mask is all False gets zeros, like the stock kernel.
-// Sums are fp32 in another order than other kernels'. One layer of the 16-row shape (160 of 192
-// slots allowed), 2 threads of a Xeon 6/167, against this kernel's first version (a reduction a
-// slot, every slot read), both built in one process and run in turn: with 30 layers' caches read
-// from memory, best / median of 8 rounds, bf16 108 / 132 us against 170 / 196 and fp32 220 / 269
-// against 262 / 333; with one layer's in cache (best of 400) bf16 77 against 106, fp32 100-104
-// against 107-108. A variant that ran each (row, kv head) as a task, loading each key and value
-// row once for up to 4 of its group's queries, was no faster in the step (206 against 196 us a
-// layer in bf16, 299 against 265-270 in fp32, with one reduction a slot), so it was not kept.
+// - the weighted sum of the value rows, each row widened once for up to 4 of the task's
+//   queries, their sums in registers, divided once by each query's total.
+// A key or value row is so read from memory once for the task's queries, not once a query
+// head. bf16 rows are widened 32 values a load by interleaving with zeros (one instruction a
+// vector, against two for a zero extension and a shift); the order this leaves them in is undone
+// once a query. Heads of 64 and 128 dims get loops the compiler unrolls. Each task prefetches the
+// next task's rows into L2. A query whose mask is all False gets zeros, like the stock kernel.
+// Sums are fp32 in another order than other kernels'.
+// Measured, one layer of the 16-row SmolLM2-135M shape (9 heads on 3 kv heads, 64 dims, 160 of
+// 192 slots), 2 threads of an AMD EPYC Zen 4 (AVX512-BF16), this kernel against the one before
+// it (a (row, query head) a task, bf16 rows widened), both built in one process, run in turn,
+// median of the paired ratios: bf16 0.86 with 30 layers' caches read from memory (from about 145
+// to 126 us a layer) and 0.71 with one layer's in cache; fp32 1.00 and 0.77; bf16 at batch 1
+// 0.98, 4 rows 0.83, 8 rows 0.86; a Llama-3.2-1B layer (32 heads on 8, 128 dims, 4 rows) 0.78.
+// An earlier variant that read each row once for up to 4 queries was no faster on a Xeon 6/167
+// (206 against 196 us a layer in bf16); this one is measured on Zen 4 only.
 // Built on first use by attn/native.py, which checks the CPU has AVX-512 (F, BW, VL).
 
 #include <ATen/Parallel.h>
@@ -41,14 +47,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;  // the output accumulators live on the stack
+constexpr int64_t kMaxQueries = 16;  // a task's queries at most
 
 // How a dtype's rows are read: a load takes kValues values and widens them to kVectors fp32
 // vectors. bf16 takes 32 a load and widens them by interleaving with zeros (bf16 is fp32's top
@@ -126,114 +135,270 @@ ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, in
   return slots;
 }
 
-// One query: out[0, d) = softmax(scale q . k_j over allowed j) . v_j. `scores` holds L + 16
-// floats, `query` d + 32. Slots past the last allowed one are not read. Loads: the loads a row
-// takes (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query
-// in registers), or 0 to count them at run time.
-// next_k, next_v: the keys and values the thread reads next (another kv head), prefetched into
-// L2 alongside the scores; null when there are none.
-template <typename T, int Loads>
-ATTN_AVX512 void attend(const T* q, const T* k, const T* v, int64_t k_step, int64_t v_step, const bool* allowed,
-                        int64_t allowed_step, float scale, int64_t L, int64_t d, float* query, float* scores, T* out,
-                        const T* next_k, const T* next_v) {
+// sums[c x vectors + i] = the sum over slots j < L of w[c x w_step + j] v_j (vector i of the
+// widened row), for C queries: each value row is read and widened once for all of them. A zero
+// weight (a masked slot, or one too small to count) leaves the sums as they are, so a masked
+// slot's NaN never enters. Loads > 0: the sums stay in registers.
+template <typename T, int Loads, int C>
+ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int64_t d, const float* w, int64_t w_step,
+                                     __m512* sums) {
   using R = Rows<T>;
-  while (L > 0 && !allowed[(L - 1) * allowed_step]) --L;
-  if (L == 0) {  // nothing allowed: zeros, as the stock kernel gives
-    for (int64_t i = 0; i < d; ++i) out[i] = T(0.0f);
-    return;
-  }
   const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
-  widen_row(q, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {  // scaled once in fp32: (q * scale) . k
-    _mm512_storeu_ps(query + i * kLanes, _mm512_mul_ps(value, _mm512_set1_ps(scale)));
-  });
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 peak = minus_inf;
-  // The scores of `slots` slots from j0 (16 but for the last block: the branches fold away).
-  auto score = [&](int64_t j0, int64_t slots) __attribute__((always_inline)) ATTN_AVX512 {
-    __m512 dots[kLanes];
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kLanes; ++j) {
-      dots[j] = _mm512_setzero_ps();
-      if (j >= slots) continue;
-      widen_row(k + (j0 + j) * k_step, loads, d, [&](int64_t i, __m512 key) ATTN_AVX512 {
-        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(query + i * kLanes), key, dots[j]);
+  constexpr int64_t kVectors = Loads > 0 ? Loads * R::kVectors : kMaxHeadDim / kLanes;
+  __m512 acc[C * kVectors];
+#pragma GCC unroll 32
+  for (int64_t i = 0; i < C * kVectors; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    float weight[C];
+    bool all = true, any = false;
+#pragma GCC unroll 4
+    for (int64_t c = 0; c < C; ++c) {
+      weight[c] = w[c * w_step + j];
+      all &= weight[c] != 0.0f;
+      any |= weight[c] != 0.0f;
+    }
+    if (all) {
+      widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < C; ++c)
+          acc[c * kVectors + i] = _mm512_fmadd_ps(_mm512_set1_ps(weight[c]), value, acc[c * kVectors + i]);
+      });
+    } else if (any) {
+      widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+#pragma GCC unroll 4
+        for (int64_t c = 0; c < C; ++c)
+          if (weight[c] != 0.0f)
+            acc[c * kVectors + i] = _mm512_fmadd_ps(_mm512_set1_ps(weight[c]), value, acc[c * kVectors + i]);
       });
     }
+  }
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < vectors; ++i) sums[c * vectors + i] = acc[c * kVectors + i];
+}
+
+// weigh_values for `chunk` queries, 1 to C: C a constant for each.
+template <typename T, int Loads, int C>
+ATTN_AVX512 inline void weigh_values_of(int64_t chunk, const T* v, int64_t v_step, int64_t L, int64_t d,
+                                        const float* w, int64_t w_step, __m512* sums) {
+  if constexpr (C > 1) {
+    if (chunk < C) return weigh_values_of<T, Loads, C - 1>(chunk, v, v_step, L, d, w, w_step, sums);
+  }
+  weigh_values<T, Loads, C>(v, v_step, L, d, w, w_step, sums);
+}
+
+// A task: the queries of one batch row that share a kv head (its group of query heads, each at
+// every query position), or a part of them. Their key and value rows are read from memory once
+// and reused from registers and L1 for each query.
+template <typename T>
+struct Task {
+  const T* q[kMaxQueries];
+  const bool* allowed[kMaxQueries];  // each query's mask row, `allowed_step` bools a slot
+  T* out[kMaxQueries];
+  int64_t queries;
+  const T* k;
+  const T* v;
+  int64_t k_step, v_step, allowed_step, L, d;
+  float scale;
+  const T* next_k;  // the keys and values the thread reads next, prefetched into L2; or null
+  const T* next_v;
+};
+
+// A task's queries: out = softmax(scale q . k_j over allowed j) . v_j, each rounded once to T.
+// `work` holds kMaxQueries x (L + 16) scores and kMaxQueries x (d + 32) fp32 query values.
+// Slots past a query's last allowed one are not read for it. Loads: the loads a row takes
+// (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query in
+// registers), or 0 to count them at run time. Bf16Dots: bf16 scores by vdpbf16ps (AVX512-BF16)
+// on the raw rows, two exact products a lane summed in fp32, then scaled; otherwise the rows
+// are widened to fp32 and multiplied by the query scaled once.
+template <typename T, int Loads, bool Bf16Dots>
+ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
+  using R = Rows<T>;
+  // Loads > 0: d is Loads x kValues, known to the compiler (64 and 128 dims).
+  const int64_t n = task.queries, d = Loads > 0 ? Loads * R::kValues : task.d, allowed_step = task.allowed_step;
+  const T* const k = task.k;
+  const T* const v = task.v;
+  const int64_t k_step = task.k_step, v_step = task.v_step;
+  const float scale = task.scale;
+  const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
+  const int64_t width = task.L + kLanes;  // a query's scores
+  float* const scores = work;
+  float* const query = work + kMaxQueries * width;  // the widened, scaled queries, vectors x 16 each
+  int64_t span[kMaxQueries], L = 0;  // a query's span: its last allowed slot, plus one
+  for (int64_t g = 0; g < n; ++g) {
+    int64_t s = task.L;
+    while (s > 0 && !task.allowed[g][(s - 1) * allowed_step]) --s;
+    span[g] = s;
+    L = std::max(L, s);
+  }
+  if constexpr (!Bf16Dots) {
+    for (int64_t g = 0; g < n; ++g)
+      widen_row(task.q[g], loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+        _mm512_storeu_ps(query + (g * vectors + i) * kLanes, _mm512_mul_ps(value, _mm512_set1_ps(scale)));
+      });
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 peak[kMaxQueries];
+  for (int64_t g = 0; g < n; ++g) peak[g] = minus_inf;
+  // The scores of query g for `slots` slots from j0 (16 but for the last block: the branches
+  // fold away): the 16 dot vectors summed lane-wise together.
+  auto score = [&](int64_t g, int64_t j0, int64_t slots) __attribute__((always_inline)) ATTN_AVX512_BF16 {
+    __m512 dots[kLanes];
+    if constexpr (Bf16Dots) {
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(task.q[g]);
+      __m512bh q_pairs[Loads > 0 ? Loads : kMaxHeadDim / 32];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < loads; ++c) {
+        const int64_t count = std::min<int64_t>(32, d - c * 32);
+        q_pairs[c] = (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << count) - 1), q + c * 32);
+      }
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (j >= slots) continue;
+        const uint16_t* key = reinterpret_cast<const uint16_t*>(k + (j0 + j) * k_step);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < loads; ++c) {
+          const int64_t count = std::min<int64_t>(32, d - c * 32);
+          const __m512i k_pairs = count == 32 ? _mm512_loadu_si512(key + c * 32)
+                                              : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << count) - 1),
+                                                                         key + c * 32);
+          dots[j] = _mm512_dpbf16_ps(dots[j], q_pairs[c], (__m512bh)k_pairs);
+        }
+      }
+    } else {
+      const float* q = query + g * vectors * kLanes;
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (j >= slots) continue;
+        widen_row(k + (j0 + j) * k_step, loads, d, [&](int64_t i, __m512 key) ATTN_AVX512 {
+          dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * kLanes), key, dots[j]);
+        });
+      }
+    }
+    __m512 block = attn::sum_each(dots);
+    if constexpr (Bf16Dots) block = _mm512_mul_ps(block, _mm512_set1_ps(scale));
     // Masked slots become -inf by selection (a slot's NaN does not leak into the softmax).
-    const __m512 block = _mm512_mask_mov_ps(minus_inf, allowed_slots(allowed + j0 * allowed_step, allowed_step, slots),
-                                            attn::sum_each(dots));
-    _mm512_storeu_ps(scores + j0, block);
-    peak = _mm512_max_ps(peak, block);
-    if (next_k != nullptr) {
-      const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+    block = _mm512_mask_mov_ps(minus_inf, allowed_slots(task.allowed[g] + j0 * allowed_step, allowed_step, slots),
+                               block);
+    _mm512_storeu_ps(scores + g * width + j0, block);
+    peak[g] = _mm512_max_ps(peak[g], block);
+  };
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {
+    const int64_t slots = std::min(kLanes, L - j0);
+    for (int64_t g = 0; g < n; ++g) {
+      if (j0 >= span[g]) continue;
+      if (slots == kLanes)
+        score(g, j0, kLanes);
+      else
+        score(g, j0, slots);
+    }
+    if (task.next_k != nullptr)
       for (int64_t j = j0; j < j0 + slots; ++j)
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(next_k + j * k_step) + byte, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(next_v + j * v_step) + byte, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(task.next_k + j * task.k_step) + byte, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(task.next_v + j * task.v_step) + byte, _MM_HINT_T1);
         }
+  }
+  // Weights exp(score - peak): 0 past a query's span, up to the task's; their totals.
+  float total[kMaxQueries];
+  for (int64_t g = 0; g < n; ++g) {
+    float* w_row = scores + g * width;
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak[g]));  // finite where the span is not empty
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < L; j0 += kLanes) {
+      const int64_t valid = std::clamp<int64_t>(span[g] - j0, 0, kLanes);
+      const __mmask16 in_span = static_cast<__mmask16>((1u << valid) - 1);
+      const __m512 w = _mm512_maskz_mov_ps(
+          in_span, attn::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(in_span, w_row + j0), shift)));
+      _mm512_mask_storeu_ps(w_row + j0, static_cast<__mmask16>((1u << std::min(kLanes, L - j0)) - 1), w);
+      sum = _mm512_add_ps(sum, w);
     }
-  };
-  const int64_t full = L - L % kLanes;
-  for (int64_t j0 = 0; j0 < full; j0 += kLanes) score(j0, kLanes);
-  if (full < L) score(full, L - full);
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(peak));  // finite: the last slot is allowed
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < L; j0 += kLanes) {
-    const __mmask16 valid = static_cast<__mmask16>((1u << std::min(kLanes, L - j0)) - 1);
-    const __m512 w = attn::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + j0), shift));
-    _mm512_mask_storeu_ps(scores + j0, valid, w);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(valid, w));
+    total[g] = _mm512_reduce_add_ps(sum);  // >= 1 where the span is not empty: the peak's weight
   }
-  __m512 acc[kMaxHeadDim / kLanes];
-  for (int64_t i = 0; i < vectors; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; ++j) {
-    if (scores[j] == 0.0f) continue;  // masked, or too small to count
-    const __m512 w = _mm512_set1_ps(scores[j]);
-    widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
-      acc[i] = _mm512_fmadd_ps(w, value, acc[i]);
-    });
+  // The weighted sums of the value rows, up to 4 queries a pass over them (as many as leave the
+  // sums in registers).
+  constexpr int64_t kMaxVectors = Loads > 0 ? Loads * R::kVectors : kMaxHeadDim / kLanes;
+  constexpr int64_t kChunk = Loads > 0 ? std::clamp<int64_t>(24 / kMaxVectors, 1, 4) : 1;
+  for (int64_t g0 = 0; g0 < n; g0 += kChunk) {
+    const int64_t chunk = std::min(kChunk, n - g0);
+    __m512 sums[kChunk * kMaxVectors];
+    weigh_values_of<T, Loads, kChunk>(chunk, v, v_step, L, d, scores + g0 * width, width, sums);
+    for (int64_t c = 0; c < chunk; ++c) {
+      const int64_t g = g0 + c;
+      T* out = task.out[g];
+      if (span[g] == 0) {  // nothing allowed: zeros, as the stock kernel gives
+        for (int64_t i = 0; i < d; ++i) out[i] = T(0.0f);
+        continue;
+      }
+      __m512* acc = sums + c * vectors;
+      const __m512 total_g = _mm512_set1_ps(total[g]);
+      alignas(64) float row[2 * kLanes];
+      for (int64_t l = 0; l < loads; ++l) {
+        unpermute<T>(acc + l * R::kVectors);
+        for (int64_t i = 0; i < R::kVectors; ++i)
+          _mm512_store_ps(row + i * kLanes, _mm512_div_ps(acc[l * R::kVectors + i], total_g));
+        const int64_t count = std::min(R::kValues, d - l * R::kValues);
+        for (int64_t i = 0; i < count; ++i) out[l * R::kValues + i] = T(row[i]);  // nearest even for bf16
+      }
+    }
   }
-  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));  // >= 1: the peak's weight
-  alignas(64) float row[2 * kLanes];
-  for (int64_t c = 0; c < loads; ++c) {
-    unpermute<T>(acc + c * R::kVectors);
-    for (int64_t i = 0; i < R::kVectors; ++i)
-      _mm512_store_ps(row + i * kLanes, _mm512_div_ps(acc[c * R::kVectors + i], sum));
-    const int64_t count = std::min(R::kValues, d - c * R::kValues);
-    for (int64_t i = 0; i < count; ++i) out[c * R::kValues + i] = T(row[i]);  // nearest even for bf16
-  }
+}
+
+template <typename T, bool Bf16Dots>
+auto pick(int64_t d) {
+  constexpr int64_t per_load = Rows<T>::kValues;
+  // Heads of 64 and 128 dims (Llama 3.x, Qwen, Mistral, SmolLM2) get loops the compiler unrolls.
+  return d == 64    ? attend<T, 64 / per_load, Bf16Dots>
+         : d == 128 ? attend<T, 128 / per_load, Bf16Dots>
+                    : attend<T, 0, Bf16Dots>;
 }
 
 template <typename T>
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed, float scale,
-               at::Tensor& out) {
+               bool widen, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), d = q.size(3);
-  const int64_t H_kv = k.size(1), L = k.size(2), group = H / H_kv;
+  const int64_t H_kv = k.size(1), L = k.size(2), group = H / H_kv, per_kv = group * S;
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
   const bool* m_data = allowed.data_ptr<bool>();
   T* o_data = out.data_ptr<T>();
-  // Heads of 64 and 128 dims (Llama 3.x, Qwen, Mistral, SmolLM2) get loops the compiler unrolls.
-  constexpr int64_t per_load = Rows<T>::kValues;
-  const auto run = d == 64 ? attend<T, 64 / per_load> : d == 128 ? attend<T, 128 / per_load> : attend<T, 0>;
-  at::parallel_for(0, B * H, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buffer(d + 2 * kLanes + L + kLanes);  // the scaled query, then the scores
+  bool bf16_dots = false;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) bf16_dots = !widen && __builtin_cpu_supports("avx512bf16");
+  const auto run = bf16_dots ? pick<T, true>(d) : pick<T, false>(d);
+  // Each (row, kv head)'s queries in `parts` tasks: one, unless that leaves fewer than 4 tasks a
+  // thread (batch 1), or more than kMaxQueries queries a task.
+  const int64_t rows = B * H_kv;
+  const int64_t fewest = (per_kv + kMaxQueries - 1) / kMaxQueries;
+  const int64_t wanted = (4 * at::get_num_threads() + rows - 1) / rows;
+  const int64_t parts = std::min(per_kv, std::max(fewest, wanted)), per_part = (per_kv + parts - 1) / parts;
+  auto rows_of = [&](int64_t t, const T** keys, const T** values) {
+    const int64_t b = t / parts / H_kv, kv = t / parts % H_kv;
+    *keys = k_data + b * k.stride(0) + kv * k.stride(1);
+    *values = v_data + b * v.stride(0) + kv * v.stride(1);
+  };
+  at::parallel_for(0, rows * parts, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> work(kMaxQueries * (L + kLanes) + kMaxQueries * (d + 2 * kLanes));
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / H, h = t % H, kv = h / group;
-      const T* keys = k_data + b * k.stride(0) + kv * k.stride(1);
-      const T* values = v_data + b * v.stride(0) + kv * v.stride(1);
-      // The first query head of a group prefetches the next group's keys and values.
-      const bool ahead = h % group == 0 && t + group < t1;
-      const int64_t nb = (t + group) / H, nkv = (t + group) % H / group;
-      const T* next_keys = ahead ? k_data + nb * k.stride(0) + nkv * k.stride(1) : nullptr;
-      const T* next_values = ahead ? v_data + nb * v.stride(0) + nkv * v.stride(1) : nullptr;
-      for (int64_t i = 0; i < S; ++i) {
-        run(q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), keys, values, k.stride(2), v.stride(2),
-            m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2), allowed.stride(3), scale,
-            L, d, buffer.data(), buffer.data() + d + 2 * kLanes, o_data + ((b * H + h) * S + i) * d,
-            i == 0 ? next_keys : nullptr, i == 0 ? next_values : nullptr);
+      const int64_t b = t / parts / H_kv, kv = t / parts % H_kv, part = t % parts;
+      Task<T> task;
+      rows_of(t, &task.k, &task.v);
+      task.k_step = k.stride(2), task.v_step = v.stride(2), task.allowed_step = allowed.stride(3);
+      task.L = L, task.d = d, task.scale = scale;
+      const int64_t first = part * per_part, last = std::min(per_kv, first + per_part);
+      task.queries = std::max<int64_t>(0, last - first);
+      for (int64_t g = 0; g < task.queries; ++g) {
+        const int64_t h = kv * group + (first + g) / S, i = (first + g) % S;
+        task.q[g] = q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        task.allowed[g] = m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2);
+        task.out[g] = o_data + ((b * H + h) * S + i) * d;
       }
+      // The next task's rows, where it reads other ones (another row or kv head).
+      task.next_k = task.next_v = nullptr;
+      if (t + 1 < t1 && (t + 1) / parts != t / parts) rows_of(t + 1, &task.next_k, &task.next_v);
+      if (task.queries > 0) run(task, work.data());
     }
   });
 }
@@ -243,7 +408,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 namespace attn {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
-                            double scale) {
+                            double scale, bool widen) {
   TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl"),
               "attn::decode_attention needs a CPU with AVX-512 (F, BW and VL)");
@@ -282,11 +447,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({B, H, S, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float factor = static_cast<float>(scale);
   if (dtype == at::kFloat) {
-    attention<float>(qr, kr, vr, allowed, factor, out);
+    attention<float>(qr, kr, vr, allowed, factor, widen, out);
   } else if (dtype == at::kBFloat16) {
-    attention<c10::BFloat16>(qr, kr, vr, allowed, factor, out);
+    attention<c10::BFloat16>(qr, kr, vr, allowed, factor, widen, out);
   } else {
-    attention<c10::Half>(qr, kr, vr, allowed, factor, out);
+    attention<c10::Half>(qr, kr, vr, allowed, factor, widen, out);
   }
   return out;
 }

@@ -43,8 +43,9 @@ std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::T
                                          at::ArrayRef<c10::optional<at::Tensor>> biases);
 
 // softmax(scale q k^T, masked) v: q (b, h, s, d), k and v (b, h_kv, L, d), a bool mask that
-// broadcasts to (b, h, s, L); returns (b, h, s, d) contiguous (decode_attention.cpp).
+// broadcasts to (b, h, s, L); returns (b, h, s, d) contiguous (decode_attention.cpp). widen: bf16
+// scores from rows widened to fp32, as on a CPU without AVX512-BF16, where one has it (tests).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
-                            double scale);
+                            double scale, bool widen = false);
 
 }  // namespace attn
