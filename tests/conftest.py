@@ -102,6 +102,12 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+def examples(count: int) -> int:
+    """A test's own example count under the default profile, and the loaded profile's where that
+    is more (``long``): a count set on a test would otherwise hold under every profile."""
+    return max(count, settings.default.max_examples)
+
+
 # Gemma's options on a tiny decoder: layer 0 windowed (with its own RoPE base, Gemma 3), layer
 # 1 global; caps low enough to bind at tiny_model's weights (Gemma 2).
 GEMMA_OPTIONS: dict[str, dict[str, object]] = {

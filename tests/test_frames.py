@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from attn.frames import on_fresh_stack
 
+from .conftest import examples
+
 CALLS = 400  # calls a depth; a thrashing depth faults at least once a call
 DEPTHS = range(0, 240)  # one small frame a level: more than one 16 KiB chunk of frames
 
@@ -73,7 +75,7 @@ def test_the_control_loop_does_map_a_chunk_per_call_at_some_depth():
     kwargs=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(), max_size=3),
     nested=st.booleans(),
 )
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 def test_it_is_the_plain_call(args, kwargs, nested):
     def fn(*a, **k):
         return a, k

@@ -12,7 +12,7 @@ from attn import generate, padded_causal_mask
 from attn.generation import _Buffers, _draw, _sample
 from attn.policy import CachePolicy
 
-from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, poison_on_reset, tiny_model
+from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, examples, poison_on_reset, tiny_model
 
 
 def naive_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
@@ -243,7 +243,7 @@ def test_on_tokens_sees_the_tokens_of_the_output_in_order(monkeypatch: pytest.Mo
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_greedy_picks_argmax_token_ties_and_nans_included(rows, vocab, levels, specials, dtype, seed):
     """Greedy sampling takes max's indices for speed: the token is argmax's (the first of tied
     largest logits, a NaN before all), and its logprob is log_softmax's at that token."""
@@ -267,7 +267,7 @@ def test_greedy_picks_argmax_token_ties_and_nans_included(rows, vocab, levels, s
     steps=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_sampling_into_reused_buffers_equals_fresh_tensors(rows, vocab, dtype, temperature, top_k, steps, seed):
     """The decode loop samples into buffers it reuses every step: tokens and logprobs equal
     those of the sampler written here with fresh tensors, bit for bit, step after step (the

@@ -32,7 +32,16 @@ from attn.native import (
     native_product,
 )
 
-from .conftest import OperatorCalls, naive_attention, needs_amx, needs_avx2, needs_avx512, needs_bf16_matvec, tiny_model
+from .conftest import (
+    OperatorCalls,
+    examples,
+    naive_attention,
+    needs_amx,
+    needs_avx2,
+    needs_avx512,
+    needs_bf16_matvec,
+    tiny_model,
+)
 
 
 def _bf16(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -73,7 +82,7 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
 
@@ -89,7 +98,7 @@ _EXACT_TERMS = st.tuples(st.integers(-255, 255), st.integers(-7, 7))  # m 2^e: 8
 )
 @example(terms=[((128, 0), (1, -1), (0, 0))], rows=1, bias=False)  # 128.5: a tie, down to 128 (even)
 @example(terms=[((131, 0), (1, -1), (0, 0))], rows=16, bias=True)  # 131.5: a tie, up to 132
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_matvec_rounds_each_sum_as_torch_rounds_fp32_to_bf16(terms, rows, bias):
     """a + b (+ c), each of 8 significant bits with exponents 14 apart at most, is exact in fp32
     (24 bits); the kernel's bf16 output is then that sum as torch rounds it (nearest, ties to even)."""
@@ -122,7 +131,7 @@ def test_matvec_rounds_a_nan_sum_to_torchs_nan():
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(
         torch.ops.attn.fp32_linear, outputs, features, rows, layout, bias, threads, seed, dtype=torch.float32
@@ -140,7 +149,7 @@ def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, th
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_avx2_equals_a_float64_product_rounded_once(outputs, features, rows, layout, bias, threads, dtype, seed):
     _assert_product_rounded_once(
         torch.ops.attn.avx2_linear, outputs, features, rows, layout, bias, threads, seed, dtype=dtype
@@ -157,7 +166,7 @@ def test_avx2_equals_a_float64_product_rounded_once(outputs, features, rows, lay
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_amx_equals_a_float64_product_rounded_once_to_bf16(outputs, steps, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.amx_linear, outputs, 32 * steps, rows, layout, bias, threads, seed)
 
@@ -304,7 +313,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     widen=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_attention_equals_a_float64_loop(
     batch, kv_heads, group, queries, length, spare, head_dim, dtype, mask_form, scale, threads, widen, seed
 ):
@@ -344,7 +353,7 @@ def test_attention_equals_a_float64_loop(
     widen=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, dtype, per_head, widen, seed):
     """NaN keys and values in every slot the first head of each kv group may not attend, before
     its last allowed slot and after it, give that head the output that zeros there give: a masked
@@ -598,7 +607,7 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     dtype, batch, num_layers, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row,
     biases, qk_norm, threads, seed,

@@ -21,7 +21,7 @@ from attn import TransformerDecoder
 from attn.native import native_product
 from attn.packed import Linear
 
-from .conftest import GEMMA_OPTIONS, OperatorCalls, needs_bf16_matvec, tiny_model
+from .conftest import GEMMA_OPTIONS, OperatorCalls, examples, needs_bf16_matvec, tiny_model
 
 
 def _native_model(dtype: torch.dtype, **overrides: object) -> TransformerDecoder:
@@ -308,7 +308,7 @@ class NativeStepMachine(RuleBasedStateMachine):
 def test_native_step_follows_every_change_between_steps() -> None:
     machine = NativeStepMachine.TestCase
     # Sequences of 16 calls, 60 of them at least (a second on two cores): fewer missed a rebuild.
-    machine.settings = settings(max_examples=max(60, settings().max_examples), stateful_step_count=16, deadline=None)
+    machine.settings = settings(max_examples=examples(60), stateful_step_count=16, deadline=None)
     machine().runTest()
 
 

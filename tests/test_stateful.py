@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import attn
 from attn.policy import CachePolicy
 
-from .conftest import assert_cache_unchanged, cache_state, tiny_model
+from .conftest import assert_cache_unchanged, cache_state, examples, tiny_model
 
 BATCH = 2
 VOCAB = 61
@@ -269,7 +269,5 @@ class CacheMachine(RuleBasedStateMachine):
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
-CacheMachine.TestCase.settings = settings(
-    settings.default, max_examples=max(8, settings.default.max_examples), stateful_step_count=25
-)
+CacheMachine.TestCase.settings = settings(settings.default, max_examples=examples(8), stateful_step_count=25)
 TestCacheMachine = CacheMachine.TestCase
