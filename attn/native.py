@@ -43,9 +43,10 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   (``attn.fast_decode.decode_attention``) alone, 196 against 287 inside a bf16 step, for the
   kernel's first version (Xeon 6/167); scores 16 slots at a time then took a layer's 160 slots
   from 170 to 108 us (bf16) and from 262 to 220 (fp32), caches read from memory, best of 8. A
-  task a kv head's group: bf16 0.86 of the time before with caches from memory and 0.71 with one
-  layer's in cache, fp32 1.00 and 0.77 (Zen 4, paired rounds). ``widen=True`` takes the widening
-  path for bf16 on a CPU with AVX512-BF16 too, so tests cover both.
+  task a kv head's group, and the next task's values prefetched while the value sums run: bf16
+  0.68-0.71 of the time before with caches from memory and 0.61 with one layer's in cache, fp32
+  0.83 and 0.71 (Zen 4, paired rounds). ``widen=True`` takes the widening path for bf16 on a CPU
+  with AVX512-BF16 too, so tests cover both.
 
 - ``attn::decode_layers`` (``decode_layers.cpp``): a run of decoder layers' decode step in one
   call, calling the products and the attention above directly (q, k and v, and gate and up, one

@@ -21,14 +21,17 @@
 // head. bf16 rows are widened 32 values a load by interleaving with zeros (one instruction a
 // vector, against two for a zero extension and a shift); the order this leaves them in is undone
 // once a query. Heads of 64 and 128 dims get loops the compiler unrolls. Each task prefetches the
-// next task's rows into L2. A query whose mask is all False gets zeros, like the stock kernel.
-// Sums are fp32 in another order than other kernels'.
+// next task's rows into L2: its keys while the scores run, its values while the value sums do
+// (all in the scores' loop took 1.10-1.25 the time with caches from memory). A query whose mask
+// is all False gets zeros, like the stock kernel. Sums are fp32 in another order than other
+// kernels'.
 // Measured, one layer of the 16-row SmolLM2-135M shape (9 heads on 3 kv heads, 64 dims, 160 of
 // 192 slots), 2 threads of an AMD EPYC Zen 4 (AVX512-BF16), this kernel against the one before
 // it (a (row, query head) a task, bf16 rows widened), both built in one process, run in turn,
-// median of the paired ratios: bf16 0.86 with 30 layers' caches read from memory (from about 145
-// to 126 us a layer) and 0.71 with one layer's in cache; fp32 1.00 and 0.77; bf16 at batch 1
-// 0.98, 4 rows 0.83, 8 rows 0.86; a Llama-3.2-1B layer (32 heads on 8, 128 dims, 4 rows) 0.78.
+// median of the paired ratios (25 rounds of 30 layers): bf16 0.68-0.71 with 30 layers' caches
+// read from memory (three runs; 163-187 us a layer before, 114-128 after) and 0.61 with one
+// layer's in cache; fp32 0.83 and 0.71; bf16 at batch 1 0.93 (0.92 in cache), 8 rows 0.67; a
+// Llama-3.2-1B layer (32 heads on 8 kv heads, 128 dims, 4 rows) 0.68.
 // An earlier variant that read each row once for up to 4 queries was no faster on a Xeon 6/167
 // (206 against 196 us a layer in bf16); this one is measured on Zen 4 only.
 // Built on first use by attn/native.py, which checks the CPU has AVX-512 (F, BW, VL).
@@ -138,10 +141,11 @@ ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, in
 // sums[c x vectors + i] = the sum over slots j < L of w[c x w_step + j] v_j (vector i of the
 // widened row), for C queries: each value row is read and widened once for all of them. A zero
 // weight (a masked slot, or one too small to count) leaves the sums as they are, so a masked
-// slot's NaN never enters. Loads > 0: the sums stay in registers.
+// slot's NaN never enters. Loads > 0: the sums stay in registers. next_v: the values the thread
+// reads next, a row prefetched into L2 each slot (or null).
 template <typename T, int Loads, int C>
 ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int64_t d, const float* w, int64_t w_step,
-                                     __m512* sums) {
+                                     __m512* sums, const T* next_v) {
   using R = Rows<T>;
   const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
   constexpr int64_t kVectors = Loads > 0 ? Loads * R::kVectors : kMaxHeadDim / kLanes;
@@ -149,6 +153,9 @@ ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int6
 #pragma GCC unroll 32
   for (int64_t i = 0; i < C * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
+    if (next_v != nullptr)
+      for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next_v + j * v_step) + byte, _MM_HINT_T1);
     float weight[C];
     bool all = true, any = false;
 #pragma GCC unroll 4
@@ -179,11 +186,11 @@ ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int6
 // weigh_values for `chunk` queries, 1 to C: C a constant for each.
 template <typename T, int Loads, int C>
 ATTN_AVX512 inline void weigh_values_of(int64_t chunk, const T* v, int64_t v_step, int64_t L, int64_t d,
-                                        const float* w, int64_t w_step, __m512* sums) {
+                                        const float* w, int64_t w_step, __m512* sums, const T* next_v) {
   if constexpr (C > 1) {
-    if (chunk < C) return weigh_values_of<T, Loads, C - 1>(chunk, v, v_step, L, d, w, w_step, sums);
+    if (chunk < C) return weigh_values_of<T, Loads, C - 1>(chunk, v, v_step, L, d, w, w_step, sums, next_v);
   }
-  weigh_values<T, Loads, C>(v, v_step, L, d, w, w_step, sums);
+  weigh_values<T, Loads, C>(v, v_step, L, d, w, w_step, sums, next_v);
 }
 
 // A task: the queries of one batch row that share a kv head (its group of query heads, each at
@@ -199,8 +206,8 @@ struct Task {
   const T* v;
   int64_t k_step, v_step, allowed_step, L, d;
   float scale;
-  const T* next_k;  // the keys and values the thread reads next, prefetched into L2; or null
-  const T* next_v;
+  const T* next_k;  // the keys and values the thread reads next, prefetched into L2 (keys while
+  const T* next_v;  // the scores run, values while the value sums do); or null
 };
 
 // A task's queries: out = softmax(scale q . k_j over allowed j) . v_j, each rounded once to T.
@@ -298,7 +305,6 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
       for (int64_t j = j0; j < j0 + slots; ++j)
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
           _mm_prefetch(reinterpret_cast<const char*>(task.next_k + j * task.k_step) + byte, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(task.next_v + j * task.v_step) + byte, _MM_HINT_T1);
         }
   }
   // Weights exp(score - peak): 0 past a query's span, up to the task's; their totals.
@@ -324,7 +330,8 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
   for (int64_t g0 = 0; g0 < n; g0 += kChunk) {
     const int64_t chunk = std::min(kChunk, n - g0);
     __m512 sums[kChunk * kMaxVectors];
-    weigh_values_of<T, Loads, kChunk>(chunk, v, v_step, L, d, scores + g0 * width, width, sums);
+    const T* next_v = g0 == 0 ? task.next_v : nullptr;  // once a task
+    weigh_values_of<T, Loads, kChunk>(chunk, v, v_step, L, d, scores + g0 * width, width, sums, next_v);
     for (int64_t c = 0; c < chunk; ++c) {
       const int64_t g = g0 + c;
       T* out = task.out[g];
