@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -375,6 +377,35 @@ def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, d
         poisoned = attend(keys, v.masked_fill(hidden, float("nan")))
         assert not bool(poisoned[:, checked].isnan().any())
         torch.testing.assert_close(poisoned[:, checked], clean[:, checked], rtol=0, atol=0)
+
+
+@needs_avx512
+def test_attention_for_cpus_without_avx512_bf16_holds_no_bf16_instruction():
+    """The kernel is built for AVX512-BF16 (its vdpbf16ps scores), and its widening instantiations
+    run on CPUs with AVX-512 but no BF16 (Ice Lake): the compiler must have put no bf16
+    instruction in them, or they would fault there. Read from the built library's object code."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed: the object code cannot be read")
+    torch.ops.attn.decode_attention(
+        *(torch.ones(1, 1, 1, 16) for _ in "qkv"), torch.ones(1, 1, 1, 1, dtype=torch.bool), 1.0
+    )
+    name = attn.native._extension_name()
+    library = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if name in line)
+    listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    bodies = {}  # function name: its instructions
+    for block in listing.stdout.split("\n\n"):
+        header = re.match(r"[0-9a-f]+ <(.*)>:\n", block)
+        if header and "attend<" in header.group(1):
+            bodies[header.group(1)] = block[header.end() :]
+    widened = {name: body for name, body in bodies.items() if ", false>(" in name}
+    bf16_dots = {name: body for name, body in bodies.items() if ", true>(" in name}
+    assert widened and bf16_dots, sorted(bodies)
+    assert all("vdpbf16ps" in body for body in bf16_dots.values())  # the search sees one where it is
+    for name, body in widened.items():
+        found = sorted({line.split()[1] for line in body.splitlines() if "bf16" in line})
+        assert not found, f"{name}: {found}"
 
 
 @needs_avx512

@@ -216,7 +216,9 @@ struct Task {
 // (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query in
 // registers), or 0 to count them at run time. Bf16Dots: bf16 scores by vdpbf16ps (AVX512-BF16)
 // on the raw rows, two exact products a lane summed in fp32, then scaled; otherwise the rows
-// are widened to fp32 and multiplied by the query scaled once.
+// are widened to fp32 and multiplied by the query scaled once. Every instantiation is built for
+// AVX512-BF16; the widening ones run on CPUs without it (Ice Lake), and hold no bf16 instruction
+// (tests/test_native.py reads the object code).
 template <typename T, int Loads, bool Bf16Dots>
 ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
   using R = Rows<T>;
