@@ -211,7 +211,7 @@ struct Task {
 };
 
 // A task's queries: out = softmax(scale q . k_j over allowed j) . v_j, each rounded once to T.
-// `work` holds kMaxQueries x (L + 16) scores and kMaxQueries x (d + 32) fp32 query values.
+// `work` holds queries x (L + 16) scores, then queries x (d + 32) fp32 query values.
 // Slots past a query's last allowed one are not read for it. Loads: the loads a row takes
 // (d / kValues, rounded up) where the compiler should know it (unrolled loops, the query in
 // registers), or 0 to count them at run time. Bf16Dots: bf16 scores by vdpbf16ps (AVX512-BF16)
@@ -231,7 +231,7 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
   const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
   const int64_t width = task.L + kLanes;  // a query's scores
   float* const scores = work;
-  float* const query = work + kMaxQueries * width;  // the widened, scaled queries, vectors x 16 each
+  float* const query = work + n * width;  // the widened, scaled queries, vectors x 16 each
   int64_t span[kMaxQueries], L = 0;  // a query's span: its last allowed slot, plus one
   for (int64_t g = 0; g < n; ++g) {
     int64_t s = task.L;
@@ -389,7 +389,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     *values = v_data + b * v.stride(0) + kv * v.stride(1);
   };
   at::parallel_for(0, rows * parts, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> work(kMaxQueries * (L + kLanes) + kMaxQueries * (d + 2 * kLanes));
+    std::vector<float> work(per_part * (L + kLanes) + per_part * (d + 2 * kLanes));  // see attend
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / parts / H_kv, kv = t / parts % H_kv, part = t % parts;
       Task<T> task;
