@@ -6,8 +6,8 @@
 // reductions (attn.fast_decode.decode_attention) ran at about 20 GFLOP/s in a 16-row step of the
 // SmolLM2-135M shape (8.6 ms of a 35 ms step on 2 threads of a Xeon 6/167), and the stock CPU
 // kernels are built for many queries. This one runs the queries of each (batch row, kv head) as
-// a task: its group of query heads at each query position (split in parts where that leaves
-// fewer than 4 tasks a thread, as at batch 1):
+// a task: its group of query heads at each query position (split in parts only where a thread
+// would have no task, or a task more than 16 queries):
 // - slots past a query's last allowed one are not read for it;
 // - scores 16 slots at a time: one fp32 vector of partial products a slot, the 16 vectors summed
 //   lane-wise together (one shuffle tree, not 16 reductions), masked slots set to -inf by
@@ -30,7 +30,7 @@
 // it (a (row, query head) a task, bf16 rows widened), both built in one process, run in turn,
 // median of the paired ratios (25 rounds of 30 layers): bf16 0.68-0.71 with 30 layers' caches
 // read from memory (three runs; 163-187 us a layer before, 114-128 after) and 0.61 with one
-// layer's in cache; fp32 0.83 and 0.71; bf16 at batch 1 0.93 (0.92 in cache), 8 rows 0.67; a
+// layer's in cache; fp32 0.83 and 0.71; bf16 at batch 1 0.83 (0.79 at 2000 slots), 8 rows 0.67; a
 // Llama-3.2-1B layer (32 heads on 8 kv heads, 128 dims, 4 rows) 0.68.
 // An earlier variant that read each row once for up to 4 queries was no faster on a Xeon 6/167
 // (206 against 196 us a layer in bf16); this one is measured on Zen 4 only.
@@ -377,11 +377,13 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   bool bf16_dots = false;
   if constexpr (std::is_same_v<T, c10::BFloat16>) bf16_dots = !widen && __builtin_cpu_supports("avx512bf16");
   const auto run = bf16_dots ? pick<T, true>(d) : pick<T, false>(d);
-  // Each (row, kv head)'s queries in `parts` tasks: one, unless that leaves fewer than 4 tasks a
-  // thread (batch 1), or more than kMaxQueries queries a task.
+  // Each (row, kv head)'s queries in `parts` tasks: one, unless that leaves a thread without a
+  // task or a task with more than kMaxQueries queries. At batch 1 (3 tasks of the SmolLM2 shape
+  // on 2 threads) one task a kv head took 0.81-0.93 the time of one a query head, for all the
+  // threads' imbalance; 4 rows 0.98-0.99.
   const int64_t rows = B * H_kv;
   const int64_t fewest = (per_kv + kMaxQueries - 1) / kMaxQueries;
-  const int64_t wanted = (4 * at::get_num_threads() + rows - 1) / rows;
+  const int64_t wanted = (at::get_num_threads() + rows - 1) / rows;
   const int64_t parts = std::min(per_kv, std::max(fewest, wanted)), per_part = (per_kv + parts - 1) / parts;
   auto rows_of = [&](int64_t t, const T** keys, const T** values) {
     const int64_t b = t / parts / H_kv, kv = t / parts % H_kv;
