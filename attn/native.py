@@ -59,8 +59,11 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   call a layer, as the op first was; all 30 in one call took 0.4 ms less a step at batch 1).
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
-input checks) and ``csrc/kernels.h`` (the entry points they call in each other); their hash is
-one of the build's flags, so an edited header rebuilds the extension.
+input checks) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
+name holds the torch release and a hash of every source and header (``_extension_name``), so an
+edited header builds anew, and two attn trees on one torch (a checkout and an installed copy, two
+versions in two environments) keep a build each. One name for both had them rebuild each other's,
+and a process that had loaded the former build was left mapping a deleted file.
 
 Eager decode steps and ``compile_for_decode`` call them where the CPU has their instructions
 (``bf16_linear_kernel``: AVX512-BF16, AMX, else AVX2; ``decode_attention_available()``: AVX-512;
@@ -129,13 +132,6 @@ _CSRC = Path(__file__).with_name("csrc")
 _KERNELS = ("few_rows_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers")
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
-
-
-def _headers_flag() -> str:
-    """A define naming the headers' contents: torch's builder rebuilds when a source's text or
-    a flag changes, not when an included header does, so the headers' hash goes in the flags."""
-    digest = hashlib.sha256(b"".join(header.read_bytes() for header in _HEADERS)).hexdigest()[:16]
-    return f"-DATTN_HEADERS_SHA256={digest}"
 
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines
@@ -239,9 +235,13 @@ def native_head_dim(head_dim: int) -> bool:
 
 
 def _extension_name() -> str:
-    """One build per torch release: an extension is only loadable by the torch it was built with."""
+    """The build's name: one per torch release (an extension is only loadable by the torch it was
+    built with) and per text of the kernels, headers included (torch's builder rebuilds when a
+    source's text or a flag changes, not when an included header does)."""
     release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return f"attn_native_{release}"
+    texts = [Path(source).read_bytes() for source in _SOURCES] + [header.read_bytes() for header in _HEADERS]
+    digest = hashlib.sha256(b"\0".join(texts)).hexdigest()[:12]
+    return f"attn_native_{release}_{digest}"
 
 
 def build_native() -> None:
@@ -270,7 +270,7 @@ def build_native() -> None:
         cpp_extension.load(
             name=_extension_name(),
             sources=_SOURCES,
-            extra_cflags=["-O3", "-fopenmp", _headers_flag()],  # OpenMP: at::parallel_for runs on torch's threads
+            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on torch's threads
             is_python_module=False,
             verbose=False,
         )

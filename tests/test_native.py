@@ -465,14 +465,23 @@ def test_every_header_the_sources_include_is_hashed_into_the_build():
     assert included == {header.name for header in attn.native._HEADERS}
 
 
-def test_a_header_edit_changes_the_build_flags(tmp_path, monkeypatch):
-    header = tmp_path / "kernel.h"
+def test_the_build_name_follows_the_text_of_every_source_and_header(tmp_path, monkeypatch):
+    """An edited header or source builds anew, under its own name: two attn trees on one torch
+    never rebuild each other's extension (a process holding the former one would be left mapping
+    a deleted file)."""
+    source, header = tmp_path / "kernel.cpp", tmp_path / "kernel.h"
+    source.write_text("// one\n")
     header.write_text("// one\n")
+    monkeypatch.setattr(attn.native, "_SOURCES", [str(source)])
     monkeypatch.setattr(attn.native, "_HEADERS", [header])
-    before = attn.native._headers_flag()
+    names = [attn.native._extension_name()]
     header.write_text("// two\n")
-    assert attn.native._headers_flag() != before
-    assert before.startswith("-DATTN_HEADERS_SHA256=")
+    names.append(attn.native._extension_name())
+    source.write_text("// two\n")
+    names.append(attn.native._extension_name())
+    assert len(set(names)) == 3
+    release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    assert all(re.fullmatch(rf"attn_native_{release}_[0-9a-f]{{12}}", name) for name in names), names
 
 
 def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
