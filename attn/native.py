@@ -71,7 +71,9 @@ Eager decode steps and ``compile_for_decode`` call them where the CPU has their 
 extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s once per machine and
 torch release, on the first decode step that asks, then loads from torch's extension cache
 (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
-inductor's code, with one warning that says why.
+inductor's code, with one warning that says why. A build killed before it finished leaves torch's
+lock file behind, on which torch waits forever; attn builds under an ``flock`` of its own and
+clears such a file first, with a warning (``_sole_builder``).
 
 Results are fp32 sums rounded to the tensors' dtype once, like the other kernels'; the order of
 the sums differs, so the last bit of an output can.
@@ -79,12 +81,13 @@ the sums differs, so the last bit of an output can.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -266,17 +269,49 @@ def build_native() -> None:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
         except ImportError:
             pass
+    name = _extension_name()
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     try:
-        cpp_extension.load(
-            name=_extension_name(),
-            sources=_SOURCES,
-            extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on torch's threads
-            is_python_module=False,
-            verbose=False,
-        )
+        with _sole_builder(directory):
+            cpp_extension.load(
+                name=name,
+                sources=_SOURCES,
+                extra_cflags=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for runs on torch's threads
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
         _built = True
     finally:
         os.environ["PATH"] = path
+
+
+@contextlib.contextmanager
+def _sole_builder(directory: Path) -> Iterator[None]:
+    """Makes this process the only attn process building or loading the extension in
+    ``directory`` while it runs (an ``flock``, which the system drops when its holder dies), and
+    first clears a lock file that torch's builder left there when its process was killed mid-build
+    (SIGKILL, a job's time limit, the OOM killer): torch would wait on it forever, without a word,
+    on every later first decode step. Under the ``flock`` no attn process is building, so the file
+    is stale. Where there is no ``flock`` (Windows), torch's own lock file is all there is."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "attn-build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder; dropped when the file closes
+        stale = directory / "lock"  # torch's FileBaton
+        if stale.exists():
+            warnings.warn(
+                f"attn: removed {stale}, left by a build of the native kernels that was killed before it "
+                "finished; torch's extension builder would have waited on it forever",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            stale.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import functools
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -482,6 +483,62 @@ def test_the_build_name_follows_the_text_of_every_source_and_header(tmp_path, mo
     assert len(set(names)) == 3
     release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     assert all(re.fullmatch(rf"attn_native_{release}_[0-9a-f]{{12}}", name) for name in names), names
+
+
+_LOAD_IN_A_FRESH_PROCESS = (
+    "import warnings, attn.native\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.simplefilter('always')\n"
+    "    attn.native.build_native()\n"
+    "print('built', *[str(w.message) for w in caught], sep='\\n')\n"
+)
+
+
+def _build_directory() -> Path:
+    from torch.utils import cpp_extension
+
+    attn.native.build_native()  # built and cached, so the fresh processes below only load it
+    return Path(cpp_extension._get_build_directory(attn.native._extension_name(), verbose=False))
+
+
+@needs_avx2
+def test_a_lock_left_by_a_killed_build_is_cleared_with_a_warning_not_waited_on_forever():
+    stale = _build_directory() / "lock"  # what torch's builder leaves when its process is killed
+    stale.touch()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS], capture_output=True, text=True, timeout=240
+        )
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("built\n")
+    assert f"removed {stale}, left by a build of the native kernels that was killed" in done.stdout
+
+
+@needs_avx2
+def test_a_build_waits_for_a_live_builder_and_leaves_its_lock_alone():
+    import fcntl
+
+    directory = _build_directory()
+    with open(directory / "attn-build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another attn process, building
+        (directory / "lock").touch()  # torch's lock file of that live build
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                waiting.wait(timeout=15)  # torch imported, then blocked on the flock
+            assert (directory / "lock").exists()
+        except BaseException:
+            waiting.kill()
+            raise
+        finally:
+            (directory / "lock").unlink(missing_ok=True)  # the live build finishes
+    out, err = waiting.communicate(timeout=240)
+    assert waiting.returncode == 0, err
+    assert out == "built\n"
 
 
 def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
