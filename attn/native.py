@@ -60,9 +60,9 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
 input checks) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
-name holds the torch release and a hash of every source and header (``_extension_name``), so an
-edited header builds anew, and two attn trees on one torch (a checkout and an installed copy, two
-versions in two environments) keep a build each. One name for both had them rebuild each other's,
+name holds the torch release and a hash of the sources' paths and of every source and header
+(``_extension_name``), so an edited header builds anew, and two copies of attn on one torch (a
+checkout and an installed copy, two environments) keep a build each. One name for both had them rebuild each other's,
 and a process that had loaded the former build was left mapping a deleted file.
 
 Eager decode steps and ``compile_for_decode`` call them where the CPU has their instructions
@@ -239,11 +239,12 @@ def native_head_dim(head_dim: int) -> bool:
 
 def _extension_name() -> str:
     """The build's name: one per torch release (an extension is only loadable by the torch it was
-    built with) and per text of the kernels, headers included (torch's builder rebuilds when a
-    source's text or a flag changes, not when an included header does)."""
+    built with), per place of the sources (torch's builder rebuilds when their paths change: two
+    copies of attn would rebuild each other's) and per text of the kernels, headers included (it
+    rebuilds when a source's text or a flag changes, not when an included header does)."""
     release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     texts = [Path(source).read_bytes() for source in _SOURCES] + [header.read_bytes() for header in _HEADERS]
-    digest = hashlib.sha256(b"\0".join(texts)).hexdigest()[:12]
+    digest = hashlib.sha256(b"\0".join([" ".join(_SOURCES).encode(), *texts])).hexdigest()[:12]
     return f"attn_native_{release}_{digest}"
 
 

@@ -467,9 +467,9 @@ def test_every_header_the_sources_include_is_hashed_into_the_build():
 
 
 def test_the_build_name_follows_the_text_of_every_source_and_header(tmp_path, monkeypatch):
-    """An edited header or source builds anew, under its own name: two attn trees on one torch
-    never rebuild each other's extension (a process holding the former one would be left mapping
-    a deleted file)."""
+    """An edited header or source builds anew, under its own name, and so does a copy of the same
+    sources elsewhere: two copies of attn on one torch never rebuild each other's extension (a
+    process holding the former one would be left mapping a deleted file)."""
     source, header = tmp_path / "kernel.cpp", tmp_path / "kernel.h"
     source.write_text("// one\n")
     header.write_text("// one\n")
@@ -480,7 +480,12 @@ def test_the_build_name_follows_the_text_of_every_source_and_header(tmp_path, mo
     names.append(attn.native._extension_name())
     source.write_text("// two\n")
     names.append(attn.native._extension_name())
-    assert len(set(names)) == 3
+    elsewhere = tmp_path / "copy" / "kernel.cpp"  # the same text in another copy of attn
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(source.read_text())
+    monkeypatch.setattr(attn.native, "_SOURCES", [str(elsewhere)])
+    names.append(attn.native._extension_name())
+    assert len(set(names)) == 4
     release = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     assert all(re.fullmatch(rf"attn_native_{release}_[0-9a-f]{{12}}", name) for name in names), names
 
