@@ -294,7 +294,8 @@ def _sole_builder(directory: Path) -> Iterator[None]:
     first clears a lock file that torch's builder left there when its process was killed mid-build
     (SIGKILL, a job's time limit, the OOM killer): torch would wait on it forever, without a word,
     on every later first decode step. Under the ``flock`` no attn process is building, so the file
-    is stale. Where there is no ``flock`` (Windows), torch's own lock file is all there is."""
+    is stale. Where there is no ``flock`` (Windows, a network file system that refuses it),
+    torch's own lock file is all there is, and it is left as it is."""
     try:
         import fcntl
     except ImportError:
@@ -302,7 +303,11 @@ def _sole_builder(directory: Path) -> Iterator[None]:
         return
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "attn-build.flock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder; dropped when the file closes
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder; dropped when the file closes
+        except OSError:  # ENOLCK and the like: no way to tell a live builder's lock from a dead one's
+            yield
+            return
         stale = directory / "lock"  # torch's FileBaton
         if stale.exists():
             warnings.warn(

@@ -546,6 +546,23 @@ def test_a_build_waits_for_a_live_builder_and_leaves_its_lock_alone():
     assert out == "built\n"
 
 
+def test_where_the_file_system_refuses_an_flock_the_build_goes_on_and_leaves_torchs_lock_alone(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def refuse(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    (tmp_path / "lock").touch()  # a live builder's, or a dead one's: no telling without the flock
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with attn.native._sole_builder(tmp_path):
+            entered = True
+    assert entered
+    assert (tmp_path / "lock").exists()
+
+
 def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
     for probe in ("_has_avx2", "_has_avx512", "_has_avx512_bf16"):
         monkeypatch.setattr(attn.native, probe, lambda: False)
