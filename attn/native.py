@@ -62,14 +62,15 @@ The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (
 input checks) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
 name holds the torch release and a hash of the sources' paths and of every source and header
 (``_extension_name``), so an edited header builds anew, and two copies of attn on one torch (a
-checkout and an installed copy, two environments) keep a build each. One name for both had them rebuild each other's,
-and a process that had loaded the former build was left mapping a deleted file.
+checkout and an installed copy, two environments) keep a build each. One name for both had them
+rebuild each other's, and a process that had loaded the former build was left mapping a deleted
+file.
 
 Eager decode steps and ``compile_for_decode`` call them where the CPU has their instructions
 (``bf16_linear_kernel``: AVX512-BF16, AMX, else AVX2; ``decode_attention_available()``: AVX-512;
 ``decode_layers_available()``: AVX512-BF16) and the extension is built. The build (torch's C++
-extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s once per machine and
-torch release, on the first decode step that asks, then loads from torch's extension cache
+extension builder: a C++ compiler with OpenMP and ``ninja``) takes 8-30 s once per machine, torch
+release and copy of attn, on the first decode step that asks, then loads from torch's extension cache
 (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
 inductor's code, with one warning that says why. A build killed before it finished leaves torch's
 lock file behind, on which torch waits forever; attn builds under an ``flock`` of its own and
