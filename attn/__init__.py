@@ -11,6 +11,7 @@ from attn.checkpoint import load_pretrained
 from attn.context import cached_inference, disable_kv_cache, kv_cache_mode, local_kv_cache
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.generation import GenerationOutput, generate
+from attn.huge_pages import place_in_huge_pages
 from attn.kv_cache import KVCache, attended_slots
 from attn.logprobs import CompletionLogprobs, completion_logprobs
 from attn.masks import padded_causal_mask, padding_positions
@@ -54,6 +55,7 @@ __all__ = [
     "local_kv_cache",
     "padded_causal_mask",
     "padding_positions",
+    "place_in_huge_pages",
     "score_continuations",
     "set_packed_decode",
     "set_parity_mode",

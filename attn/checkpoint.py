@@ -80,6 +80,7 @@ from attn.decoder import DecoderConfig, TransformerDecoder, decoder_of
 from attn.dtypes import dtype_from_name, long_name
 from attn.errors import first_line
 from attn.families import FAMILIES, TOP_TENSORS, Family, family_for, family_named
+from attn.huge_pages import place_in_huge_pages
 from attn.rope import RopeScaling
 
 __all__ = [
@@ -779,6 +780,7 @@ def load_pretrained(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     max_seq_len: int | None = None,
+    huge_pages: bool = True,
 ) -> TransformerDecoder:
     """Load a local Hugging Face Llama-family checkpoint directory.
 
@@ -794,6 +796,10 @@ def load_pretrained(
         max_seq_len: the most positions the model will run (its RoPE table and largest
             cache); None: the checkpoint's ``max_position_embeddings``. Lower it to save
             memory on long-context checkpoints (Llama 3.1: 131072 positions).
+        huge_pages: on the CPU, read the weights into one mapping of transparent huge pages
+            where the system offers them (``attn.place_in_huge_pages``: a CPU decode step
+            streams every weight, and 4 KiB pages cost it a TLB miss each); ``False`` gives
+            each parameter memory of its own from torch's allocator.
 
     Returns:
         The model, in eval mode, with no caches set up.
@@ -847,6 +853,8 @@ def load_pretrained(
         for ours, theirs in names.items():
             _check_tensor(theirs, readers[index.files[theirs]].get_slice(theirs), shapes[ours], index)
         model = _materialize(model, device)
+        if huge_pages and model.tok_embeddings.weight.device.type == "cpu":
+            place_in_huge_pages(model, copy=False)  # before the weights are read in: no copy
         params = dict(model.named_parameters())
         with torch.no_grad():
             for ours, theirs in names.items():

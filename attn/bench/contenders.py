@@ -37,6 +37,7 @@ from attn import policy as cache_rules
 from attn.bench import gguf_export
 from attn.bench.baseline import greedy_without_cache
 from attn.bench.measure import init_weights
+from attn.huge_pages import place_in_huge_pages
 from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
@@ -222,6 +223,7 @@ class CellContext:
         with _default_dtype(dtype):
             model = TransformerDecoder(self.cell.config).eval()
         init_weights(model, self.init_std, self.seed)
+        place_in_huge_pages(model)  # as load_pretrained places a checkpoint's weights
         return model
 
     @property
@@ -242,6 +244,7 @@ class CellContext:
             else:
                 model = TransformerDecoder(self.cell.config).eval().to(self.cell.dtype)
                 model.load_state_dict(self.reference_model.state_dict())
+                place_in_huge_pages(model)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CompatWarning)
                 model.setup_caches(self.cell.batch_size, self.cell.prompt_len + self.cell.new_tokens)

@@ -41,6 +41,7 @@ from attn.bench.measure import (
 )
 from attn.decoder import DecoderConfig
 from attn.dtypes import dtype_from_name
+from attn.huge_pages import huge_pages_available
 from attn.policy import CompatWarning
 
 __all__ = ["BenchResult", "BenchSpec", "CellInfo", "Row", "run_benchmark"]
@@ -385,6 +386,8 @@ def machine_info() -> dict[str, Any]:
         # PyTorch's switch for transparent huge pages on large tensors: it changes both the
         # decode speed and the measured bandwidth (README, Performance).
         "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0"),
+        # attn's weights in one mapping of transparent huge pages (attn.place_in_huge_pages)
+        "attn_huge_pages": huge_pages_available(),
     }
     try:
         import transformers
