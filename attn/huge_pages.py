@@ -100,7 +100,9 @@ def place_in_huge_pages(module: nn.Module, *, copy: bool = True) -> int:
     arena.madvise(mmap.MADV_HUGEPAGE, start, length)  # before any page is touched
     with torch.no_grad():
         for p, offset in zip(params, offsets, strict=True):
-            window = torch.frombuffer(arena, dtype=torch.uint8, count=p.numel() * p.element_size(), offset=start + offset)
+            nbytes = p.numel() * p.element_size()
+            # a storage of its own, a window of the mapping
+            window = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=start + offset)
             place = window.view(p.dtype).view(p.shape)
             if copy:
                 place.copy_(p.data)

@@ -3,7 +3,10 @@ and storages of their own; what cannot move stays; the mapping goes with the las
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
+import itertools
 from pathlib import Path
 
 import pytest
@@ -57,7 +60,7 @@ def test_parameters_move_with_their_objects_and_values_into_huge_pages() -> None
     first = params[0].data_ptr()
     assert first % HUGE_PAGE == 0
     windows = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in params)
-    assert all(end <= start for (_, end), (start, _) in zip(windows, windows[1:]))  # no two overlap
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(windows))  # no two overlap
     assert all(start % 64 == 0 for start, _ in windows)
     assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)  # a storage each
     assert huge_page_bytes(params[0]) >= HUGE_PAGE  # the kernel backs the mapping with huge pages
@@ -133,7 +136,9 @@ def test_less_than_a_huge_page_stays_where_it_is() -> None:
 @settings(max_examples=examples(10), deadline=None)
 @given(
     shapes=st.lists(st.lists(st.integers(1, 700), min_size=1, max_size=3), min_size=1, max_size=6),
-    dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int8]), min_size=6, max_size=6),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int8]), min_size=6, max_size=6
+    ),
 )
 def test_any_parameters_keep_their_values_in_disjoint_aligned_windows(shapes: list[list[int]], dtypes: list) -> None:
     module = nn.Module()
@@ -149,7 +154,7 @@ def test_any_parameters_keep_their_values_in_disjoint_aligned_windows(shapes: li
         assert p.dtype == before[name].dtype and torch.equal(p, before[name]), name
         windows.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()))
     windows.sort()
-    assert all(end <= start for (_, end), (start, _) in zip(windows, windows[1:]))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(windows))
     assert all(start % 64 == 0 for start, _ in windows)
 
 
@@ -169,3 +174,20 @@ def test_load_pretrained_reads_into_huge_pages_unless_asked_not_to(
     assert calls == []
     for (name, a), b, c in zip(model.named_parameters(), loaded.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+@needs_huge_pages
+def test_moved_parameters_copy_pickle_and_share_as_any() -> None:
+    model = _big_model(6)
+    place_in_huge_pages(model)
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    twin = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    model.share_memory()  # torch.multiprocessing moves each storage into shared memory
+    for name, p in model.named_parameters():
+        assert p.is_shared() and torch.equal(p, values[name]), name
+        assert torch.equal(dict(twin.named_parameters())[name], values[name])
+        assert torch.equal(loaded[name], values[name])

@@ -37,11 +37,11 @@ from attn import policy as cache_rules
 from attn.bench import gguf_export
 from attn.bench.baseline import greedy_without_cache
 from attn.bench.measure import init_weights
-from attn.huge_pages import place_in_huge_pages
 from attn.checkpoint import config_to_hf, hf_tensor_names
 from attn.decoder import DecoderConfig, TransformerDecoder
 from attn.dtypes import short_name
 from attn.fast_decode import DecodeCompiled, compile_for_decode
+from attn.huge_pages import place_in_huge_pages
 from attn.policy import CachePolicy, CompatWarning
 
 __all__ = [
