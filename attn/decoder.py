@@ -661,8 +661,10 @@ class TransformerDecoder(nn.Module):
         if plan.linears == "native" and not global_hooks() and self.native_layers(tokens.shape[0]):
             step = self._native_step
             if step is None or not step.current():
-                step = self._native_step = NativeStep(self.layers, self.local_layers)
+                step = self._native_step = NativeStep(self)
             h = step(h, plan, (plan.rotation.contiguous(), local.rotation.contiguous()))
+            if step.normed:  # its last call ran the final norm; one token a row: the last
+                return self.output_logits(h)
         else:
             for i, layer in enumerate(self.layers):
                 h = layer(h, local if self.local_layers[i] else plan)
@@ -679,7 +681,11 @@ class TransformerDecoder(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(b, s, e) the last hidden states -> (b, s, v) logits: the final norm and output layer."""
-        h = self.norm(h)
+        return self.output_logits(self.norm(h))
+
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(b, s, e) hidden states after the final norm -> (b, s, v) logits: the output layer
+        (the embedding where they are tied) and Gemma 2's soft cap."""
         logits = linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)  # (b, s, v)
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

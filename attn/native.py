@@ -148,7 +148,8 @@ _LIBRARY.define(
 )
 _LIBRARY.define(
     "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-    "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows) -> Tensor"
+    "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows, "
+    "Tensor? final_norm=None, float final_eps=0.0) -> Tensor"
 )
 
 _built = False

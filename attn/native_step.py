@@ -56,17 +56,21 @@ def global_hooks() -> bool:
 
 
 class _Watch:
-    """What a ``NativeStep`` was built from, to tell cheaply whether it still holds. For each
-    layer, the modules ``DecoderLayer.native_modules`` names: their types, how many forward
-    hooks each has, how many children each container has, and by identity the entries read:
-    the containers' children, the leaves' parameters, the norms' ``eps`` and attention's
-    ``scale`` and ``head_dim`` (new objects when assigned); and the layer list's entries. The
-    step holds every object compared, so none is freed while it is compared against."""
+    """What a ``NativeStep`` was built from, to tell cheaply whether it still holds: the
+    decoder's layer list and final norm (its type, hooks, weight, ``eps`` and ``unit_offset``),
+    and for each layer, the modules ``DecoderLayer.native_modules`` names: their types, how
+    many forward hooks each has, how many children each container has, and by identity the
+    entries read: the containers' children, the leaves' parameters, the norms' ``eps`` and
+    attention's ``scale`` and ``head_dim`` (new objects when assigned). The step holds every
+    object compared, so none is freed while it is compared against."""
 
-    def __init__(self, layers: nn.ModuleList) -> None:
-        self.modules: list[nn.Module] = []
+    def __init__(self, model: nn.Module) -> None:
+        layers, norm = model.layers, model.norm
+        self.modules: list[nn.Module] = [norm]
         sized: list[dict] = [layers._modules]
-        read: list[tuple[dict, str]] = [(layers._modules, key) for key in layers._modules]
+        read: list[tuple[dict, str]] = [(model._modules, "layers"), (model._modules, "norm")]
+        read += [(layers._modules, key) for key in layers._modules]
+        read += [(norm._parameters, "weight"), (norm.__dict__, "eps"), (norm.__dict__, "unit_offset")]
         for layer in layers:
             containers, leaves = layer.native_modules()
             self.modules += containers + leaves
@@ -91,20 +95,31 @@ class _Watch:
         )
 
 
+def _plain_norm(norm: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
+    """The weight of ``norm`` where ``attn::decode_layers`` computes it (Llama's RMSNorm, no
+    hook, a plain contiguous weight of the layers' dtype ``like``'s), else None."""
+    if type(norm) is not RMSNorm or norm.unit_offset or norm._forward_hooks or norm._forward_pre_hooks:
+        return None
+    weight = norm._parameters.get("weight")
+    plain = type(weight) in (torch.Tensor, nn.Parameter) and weight.is_contiguous()
+    return weight if plain and weight.dtype == like.dtype and weight.shape == like.shape else None
+
+
 class NativeStep:
     """The decoder layers of an eager decode step, as runs of ``attn::decode_layers`` calls and
-    layers that run their own modules (the module docstring says which), reusable while
-    ``current()``.
+    layers that run their own modules (the module docstring says which), and the final norm
+    where the last call can take it (``normed``); reusable while ``current()``.
 
     Args:
-        layers: the decoder's layers (``attn.decoder.DecoderLayer``).
-        local_layers: which layers take the plan's local part (``TransformerDecoder.local_layers``).
+        model: the decoder (``attn.decoder.TransformerDecoder``): its ``layers``
+            (``DecoderLayer``), ``local_layers`` (which take the plan's local part) and
+            ``norm`` (the final RMSNorm, before the output layer).
     """
 
-    def __init__(self, layers: nn.ModuleList, local_layers: tuple[bool, ...]) -> None:
-        self._watch = _Watch(layers)
+    def __init__(self, model: nn.Module) -> None:
+        self._watch = _Watch(model)
         self.runs: list[_Run] = []
-        for layer, local in zip(layers, local_layers, strict=True):
+        for layer, local in zip(model.layers, model.local_layers, strict=True):
             parts = layer.native_parts()
             if parts is None:
                 self.runs.append(_Run(local, (), (), (), 0.0, 0.0, layer))
@@ -126,6 +141,15 @@ class NativeStep:
                 )
             else:
                 self.runs.append(_Run(local, (attention.kv_cache,), tuple(weights), tuple(biases), eps, scale))
+        last = self.runs[-1] if self.runs else None
+        self.final_norm = None if last is None or last.module is not None else _plain_norm(model.norm, last.weights[0])
+        self.final_eps = model.norm.eps if self.final_norm is not None else 0.0
+
+    @property
+    def normed(self) -> bool:
+        """Does the step return the final norm's output (its last call ran it), rather than the
+        last layer's?"""
+        return self.final_norm is not None
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         """A copy or a pickle of the model holds no step (``NoneType()`` is ``None``): it is a
@@ -141,11 +165,13 @@ class NativeStep:
         ``plan.slots``; ``rotations``: the plan's and its local part's, contiguous."""
         local = plan.local or plan
         amx = amx_from_rows()
+        last = self.runs[-1]
         for run in self.runs:
             part = local if run.local else plan
             if run.module is not None:
                 h = run.module(h, part)
                 continue
+            final_norm = self.final_norm if run is last else None
             h = torch.ops.attn.decode_layers(
                 h,
                 run.weights,
@@ -158,5 +184,7 @@ class NativeStep:
                 run.eps,
                 run.scale,
                 amx,
+                final_norm,
+                self.final_eps,
             )
         return h

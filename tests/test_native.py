@@ -724,18 +724,20 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     per_row=st.booleans(),  # the mask and the rotation per row, or one for every row
     biases=st.tuples(*[st.booleans()] * 4),
     qk_norm=st.booleans(),
+    final_norm=st.booleans(),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=examples(60), deadline=None)
 def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     dtype, batch, num_layers, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row,
-    biases, qk_norm, threads, seed,
+    biases, qk_norm, final_norm, threads, seed,
 ):  # fmt: skip
     """The layers' output is the float64 layers' in turn, each rounded where eager rounds, within
-    the products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way);
-    each layer's cache gets its key and value for this token at the slot, and every other slot
-    is unchanged bit for bit."""
+    the products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way),
+    and then, with ``final_norm``, the model's final RMSNorm of it (an eps of its own); each
+    layer's cache gets its key and value for this token at the slot, and every other slot is
+    unchanged bit for bit."""
     kind, heads = _DTYPES[dtype], kv_heads * group
     widths = (embed_dim, heads * head_dim, hidden_dim)
     if any(attn.native.native_product(batch, width, kind) is None for width in widths):
@@ -758,12 +760,16 @@ def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     expected = x
     for _, weights, bias, (k_cache, v_cache) in layers:
         expected = _float64_layer(expected.to(kind), weights, bias, k_cache, v_cache, slot, mask, rotation, 1e-5, scale)
+    norm_weight = (torch.rand(embed_dim, generator=gen) + 0.5).to(kind) if final_norm else None
+    if final_norm:
+        normed = (expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-6)).to(kind).double()
+        expected = (norm_weight.double() * normed).to(kind).double()
     k_caches, v_caches = [layer[3][0] for layer in layers], [layer[3][1] for layer in layers]
     before = [cache.clone() for cache in k_caches + v_caches]
     torch.set_num_threads(threads)
     got = torch.ops.attn.decode_layers(
         x, [w for layer in layers for w in layer[1]], [b for layer in layers for b in layer[2]], k_caches, v_caches,
-        torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(),
+        torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(), norm_weight, 1e-6,
     )  # fmt: skip
     assert got.shape == x.shape and got.dtype == kind
     # bf16: a sum of another order can round an intermediate the other way, and that half step
@@ -862,6 +868,14 @@ def _swap(items, index, value):
                 "amx_from_rows": lambda c: 0,
             },
             r"17 rows are more than its BFloat16 products of 32 features take \(16\)",
+        ),
+        (
+            {"final_norm": lambda c: torch.ones(16, dtype=torch.bfloat16)},
+            r"final_norm must be None or a contiguous \(32,\) CPU tensor of x's dtype BFloat16, got \[16\] BFloat16",
+        ),
+        (
+            {"final_norm": lambda c: torch.ones(32)},
+            r"final_norm must be None or a contiguous \(32,\) CPU tensor of x's dtype BFloat16, got \[32\] Float",
         ),
     ],
 )

@@ -164,6 +164,43 @@ def test_a_layer_with_hooks_or_another_projection_runs_its_modules(
 
 
 @needs_bf16_matvec
+@pytest.mark.parametrize("change", ["none", "hooked norm", "hooked last layer", "offset norm"])
+def test_the_final_norm_runs_in_the_last_call_where_it_is_the_plain_one(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final RMSNorm runs inside the step's last attn::decode_layers call (its weight and eps
+    passed), unless a hook is on it, the last layer runs its own modules, or it is not Llama's
+    norm: then the norm module runs after the step. The logits equal the stock kernels' either way."""
+    model, seen = _native_model(torch.bfloat16, num_layers=3), []
+    model.norm.eps = 1e-3
+    if change == "hooked norm":
+        model.norm.register_forward_hook(lambda module, args, out: seen.append("norm") or out * 1.5)
+    elif change == "hooked last layer":
+        model.layers[2].register_forward_hook(lambda module, args, out: seen.append("layer"))
+    elif change == "offset norm":
+        model.norm.unit_offset = True
+    finals: list[tuple[torch.Tensor | None, float]] = []
+    op = torch.ops.attn.decode_layers
+
+    def recorded(*args: object) -> torch.Tensor:
+        finals.append((args[11], args[12]))
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.attn, "decode_layers", recorded)
+    tokens = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(0))
+    native = _teacher_forced_logits(model, tokens, 3)
+    if change == "none":
+        assert finals == [(model.norm.weight, 1e-3)] * 4  # 4 decode steps, one call each
+    else:
+        assert finals and all(weight is None for weight, _ in finals)
+    _stock(model, monkeypatch)
+    stock = _teacher_forced_logits(model, tokens, 3)
+    _assert_near_stock(native, stock)
+    if change.startswith("hooked"):
+        assert len(seen) == 2 * 5  # the prompt and 4 steps, in each run
+
+
+@needs_bf16_matvec
 def test_a_global_forward_hook_fires_for_every_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook registered for every module (``register_module_forward_hook``: a profiler's, a
     tracker's) sees the same module calls in a decode step as on the stock kernels: the step runs
@@ -208,10 +245,11 @@ _HOOKED = ("", "attn", "mlp", "attn_norm", "mlp_norm", *_PROJECTIONS, "mlp.down_
 class NativeStepMachine(RuleBasedStateMachine):
     """Two copies of one model take the same calls: one whose decode steps are native, one on the
     stock kernels. Between steps, either may change in any way the native step reads: a hook
-    added or removed on any module of a layer, a projection's weight or bias replaced, a
-    projection swapped for an adapter, a norm's eps changed, cache rows kept or forked, caches
-    set up again. Every change is followed by a step (and more come at random), and every step's
-    logits agree: the native step was rebuilt after each change."""
+    added or removed on any module of a layer or on the final norm, a projection's weight or
+    bias replaced, a projection swapped for an adapter, a norm's eps changed, the final norm's
+    weight and eps replaced, cache rows kept or forked, caches set up again. Every change is
+    followed by a step (and more come at random), and every step's logits agree: the native
+    step was rebuilt after each change."""
 
     @initialize(batch=st.sampled_from([1, 2, 3]))
     def build(self, batch: int) -> None:
@@ -289,6 +327,25 @@ class NativeStepMachine(RuleBasedStateMachine):
     def set_eps(self, layer: int, name: str, eps: float) -> None:
         for model in self.both():
             model.layers[layer].get_submodule(name).eps = eps
+        self.step()
+
+    @rule(pre=st.booleans())
+    def hook_final_norm(self, pre: bool) -> None:
+        handles = []
+        for model in self.both():
+            if pre:
+                handles.append(model.norm.register_forward_pre_hook(lambda m, args: (args[0] * 0.9, *args[1:])))
+            else:
+                handles.append(model.norm.register_forward_hook(lambda m, args, out: out + 0.01))
+        self.hooks.append(handles)
+        self.step()
+
+    @rule(eps=st.sampled_from([1e-5, 0.5]), seed=st.integers(0, 3))
+    def change_final_norm(self, eps: float, seed: int) -> None:
+        weight = torch.rand(self.native.norm.weight.shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+        for model in self.both():
+            model.norm.eps = eps
+            model.norm.weight = nn.Parameter(weight.clone())
         self.step()
 
     @rule(data=st.data())
