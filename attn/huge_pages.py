@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import mmap
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["huge_page_bytes", "huge_pages_available", "place_in_huge_pages"]
+__all__ = ["HugePageWarning", "huge_page_bytes", "huge_pages_available", "place_in_huge_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's transparent huge page
 _ALIGNMENT = 64  # bytes: a cache line, where each parameter starts
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+class HugePageWarning(UserWarning):
+    """The system refused the mapping or its advice: the parameters stay where they were."""
 
 
 def huge_pages_available() -> bool:
@@ -95,9 +100,18 @@ def place_in_huge_pages(module: nn.Module, *, copy: bool = True) -> int:
     if not huge_pages_available() or size < HUGE_PAGE:
         return 0
     length = -(-size // HUGE_PAGE) * HUGE_PAGE
-    arena = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
-    arena.madvise(mmap.MADV_HUGEPAGE, start, length)  # before any page is touched
+    try:
+        arena = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = -torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
+        arena.madvise(mmap.MADV_HUGEPAGE, start, length)  # before any page is touched
+    except OSError as error:  # no memory to commit (overcommit off), or a kernel without THP
+        warnings.warn(
+            f"place_in_huge_pages: the system refused a {length >> 20} MiB mapping of huge pages ({error}); "
+            "the parameters stay in the memory they had",
+            HugePageWarning,
+            stacklevel=2,
+        )
+        return 0
     with torch.no_grad():
         for p, offset in zip(params, offsets, strict=True):
             nbytes = p.numel() * p.element_size()

@@ -7,6 +7,7 @@ import copy
 import gc
 import io
 import itertools
+import mmap
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,23 @@ def test_nothing_moves_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> No
     model = _big_model(3)
     pointers = [p.data_ptr() for p in model.parameters()]
     assert place_in_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("refused", ["mmap", "madvise"])
+def test_a_refused_mapping_warns_and_moves_nothing(refused: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    class Unadvised(mmap.mmap):  # a kernel built without THP: EINVAL
+        madvise = refuse
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse if refused == "mmap" else Unadvised)
+    model = _big_model(7)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with pytest.warns(huge_pages.HugePageWarning, match=r"refused a \d+ MiB mapping .*Cannot allocate memory"):
+        assert place_in_huge_pages(model) == 0
     assert [p.data_ptr() for p in model.parameters()] == pointers
 
 
