@@ -85,7 +85,8 @@ def place_in_huge_pages(module: nn.Module, *, copy: bool = True) -> int:
             zeros.
 
     Returns:
-        The bytes of parameters moved (0 where nothing moved).
+        The bytes of the mapping the moved parameters take (each rounded up to 64 bytes, where
+        it starts); 0 where nothing moved.
 
     Example::
 
