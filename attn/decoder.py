@@ -624,6 +624,16 @@ class TransformerDecoder(nn.Module):
         widths = (config.embed_dim, self.layers[0].attn.num_heads * config.head_dim, config.hidden_dim)
         return all(native_product(batch_size, width, weight.dtype) is not None for width in widths)
 
+    def native_final_norm(self) -> torch.Tensor | None:
+        """The final norm's weight where ``attn::decode_layers`` can run the norm after the last
+        layer (Llama's RMSNorm, no hook on it, a plain contiguous weight), else None:
+        ``attn.native_step.NativeStep`` asks once, as it asks each layer for ``native_parts``."""
+        norm = self.norm
+        if type(norm) is not RMSNorm or norm.unit_offset or norm._forward_hooks or norm._forward_pre_hooks:
+            return None
+        weight = norm._parameters.get("weight")
+        return weight if type(weight) in _PLAIN_TENSORS and weight.is_contiguous() else None
+
     def native_layers(self, batch_size: int) -> bool:
         """Does an eager decode step of ``batch_size`` rows run its layers as calls to
         ``attn::decode_layers`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has

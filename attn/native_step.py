@@ -95,16 +95,6 @@ class _Watch:
         )
 
 
-def _plain_norm(norm: nn.Module, like: torch.Tensor) -> torch.Tensor | None:
-    """The weight of ``norm`` where ``attn::decode_layers`` computes it (Llama's RMSNorm, no
-    hook, a plain contiguous weight of the layers' dtype ``like``'s), else None."""
-    if type(norm) is not RMSNorm or norm.unit_offset or norm._forward_hooks or norm._forward_pre_hooks:
-        return None
-    weight = norm._parameters.get("weight")
-    plain = type(weight) in (torch.Tensor, nn.Parameter) and weight.is_contiguous()
-    return weight if plain and weight.dtype == like.dtype and weight.shape == like.shape else None
-
-
 class NativeStep:
     """The decoder layers of an eager decode step, as runs of ``attn::decode_layers`` calls and
     layers that run their own modules (the module docstring says which), and the final norm
@@ -112,8 +102,8 @@ class NativeStep:
 
     Args:
         model: the decoder (``attn.decoder.TransformerDecoder``): its ``layers``
-            (``DecoderLayer``), ``local_layers`` (which take the plan's local part) and
-            ``norm`` (the final RMSNorm, before the output layer).
+            (``DecoderLayer``), ``local_layers`` (which take the plan's local part), ``norm``
+            (the final RMSNorm) and ``native_final_norm()``.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -142,7 +132,9 @@ class NativeStep:
             else:
                 self.runs.append(_Run(local, (attention.kv_cache,), tuple(weights), tuple(biases), eps, scale))
         last = self.runs[-1] if self.runs else None
-        self.final_norm = None if last is None or last.module is not None else _plain_norm(model.norm, last.weights[0])
+        weight = None if last is None or last.module is not None else model.native_final_norm()
+        fits = weight is not None and weight.dtype == last.weights[0].dtype and weight.shape == last.weights[0].shape
+        self.final_norm = weight if fits else None  # of the layers' dtype and width, as the op takes it
         self.final_eps = model.norm.eps if self.final_norm is not None else 0.0
 
     @property

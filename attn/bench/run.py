@@ -386,7 +386,7 @@ def machine_info() -> dict[str, Any]:
         # PyTorch's switch for transparent huge pages on large tensors: it changes both the
         # decode speed and the measured bandwidth (README, Performance).
         "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0"),
-        # attn's weights in one mapping of transparent huge pages (attn.place_in_huge_pages)
+        # can attn's weights go into one mapping of huge pages (attn.place_in_huge_pages, which the bench calls)?
         "attn_huge_pages": huge_pages_available(),
     }
     try:
