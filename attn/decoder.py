@@ -24,6 +24,7 @@ from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
 from attn.kv_cache import CacheState, KVCache
 from attn.native import decode_layers_available, native_product
+from attn.native_loop import NativeLoop
 from attn.native_step import NativeStep, global_hooks
 from attn.norm import RMSNorm
 from attn.packed import Linear, bf16_arithmetic, linear, packed_decode_available, packed_linears, plain_onednn_faster
@@ -37,6 +38,17 @@ from attn.threads import check_holder
 __all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
 
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # not a DTensor, not another subclass
+
+
+def _plain_module(module: nn.Module, kind: type[nn.Module]) -> bool:
+    """Is ``module`` a ``kind`` itself (not a subclass, not peft's wrapper), with no hook and its
+    class's own ``forward``?"""
+    return (
+        type(module) is kind
+        and "forward" not in module.__dict__
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 """The MLP gates ``DecoderConfig.activation`` names: SiLU (SwiGLU), tanh-approximated GELU (GeGLU)."""
@@ -648,6 +660,54 @@ class TransformerDecoder(nn.Module):
             return False
         return self.native_products(batch_size) and decode_layers_available()
 
+    def native_step(self) -> NativeStep:
+        """The native decode step of this model's layers (``attn.native_step``), built anew where
+        anything it was built from changed."""
+        step = self._native_step
+        if step is None or not step.current():
+            step = self._native_step = NativeStep(self)
+        return step
+
+    def native_loop(self, batch_size: int, num_slots: int) -> NativeLoop | None:
+        """The decode steps of a generation of ``batch_size`` rows attending over ``num_slots``
+        cache slots, as ``attn::decode_loop`` calls (``attn.native_loop``), where they are
+        exactly what it computes; else None, and ``attn.generate`` runs its steps in Python.
+        What it computes: every layer in one ``attn::decode_layers`` run with the final norm
+        (``native_layers``, ``native_step``), attn's own forward and modules with no hook on
+        the model, the embedding or the output layer (a bias-free ``Linear`` or the tied
+        embedding), none registered globally, no embedding scale, logit soft cap or window
+        inside ``num_slots``."""
+        if type(self) is not TransformerDecoder or "forward" in self.__dict__:
+            return None
+        if self._forward_hooks or self._forward_pre_hooks or global_hooks():
+            return None
+        if self.config.embed_scale or self.config.logit_softcap is not None:
+            return None
+        window = self._plan_window
+        if self._plan_local is not None or (window is not None and window < num_slots):
+            return None
+        if self.linear_kernels(True, 1, batch_size) != "native" or not self.native_layers(batch_size):
+            return None
+        step = self.native_step()
+        if len(step.runs) != 1 or step.runs[0].module is not None or not step.normed:
+            return None
+        embedding, output = self.tok_embeddings, self.output
+        if not _plain_module(embedding, nn.Embedding):
+            return None
+        if output is None:
+            head = embedding.weight
+        elif _plain_module(output, Linear) and output.bias is None:
+            head = output.weight
+        else:
+            return None
+        dtype = step.runs[0].weights[0].dtype
+        weights = (embedding.weight, head, self.rope.cos_sin)
+        if any(type(w) not in _PLAIN_TENSORS or not w.is_contiguous() or w.device.type != "cpu" for w in weights):
+            return None
+        if embedding.weight.dtype != dtype or head.dtype != dtype or self.rope.cos_sin.dtype != torch.float32:
+            return None
+        return NativeLoop(self, step, head)
+
     def _plain_weight_kernels(self, batch_size: int) -> Linears:
         """A decode step's kernels on the weights as they are: oneDNN's product for a CPU fp32
         model, its matrix-vector product for a CPU bf16 model at batch 1, else torch's."""
@@ -669,9 +729,7 @@ class TransformerDecoder(nn.Module):
         local = plan.local or plan
         h = self.embed(tokens)  # (b, s, e)
         if plan.linears == "native" and not global_hooks() and self.native_layers(tokens.shape[0]):
-            step = self._native_step
-            if step is None or not step.current():
-                step = self._native_step = NativeStep(self)
+            step = self.native_step()
             h = step(h, plan, (plan.rotation.contiguous(), local.rotation.contiguous()))
             if step.normed:  # its last call ran the final norm; one token a row: the last
                 return self.output_logits(h)

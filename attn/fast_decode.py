@@ -101,6 +101,7 @@ from attn.native import (
     native_head_dim,
     native_product,
 )
+from attn.native_loop import NativeLoop
 from attn.packed import cpu_vendor, cpuinfo  # importing attn.packed registers attn::packed_linear
 from attn.plan import positions_and_mask
 from attn.regions import compile_regions
@@ -621,6 +622,19 @@ class DecodeCompiled(nn.Module):
         ``attn::decode_layers`` calls (``TransformerDecoder.native_layers``), rather than compile?
         Unless ``native_layers`` or ``native`` is False."""
         return self.native_layers and self.native is not False and self.rewrite and self.model.native_layers(batch_size)
+
+    def native_loop(self, batch_size: int, num_slots: int) -> NativeLoop | None:
+        """``attn.generate``'s decode steps as ``attn::decode_loop`` calls where this step would
+        run the model's eager step (``_runs_native_layers``) and the model's ``native_loop``
+        takes them; each model pass it runs counts in ``stats.native_steps``."""
+        if "forward" in self.__dict__ or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        if not self._runs_native_layers(batch_size):
+            return None
+        loop = self.model.native_loop(batch_size, num_slots)
+        if loop is not None:
+            loop.stats = self.stats
+        return loop
 
     def _follow_cache_length(self, mask: torch.Tensor | None) -> None:
         """From the second cache length on (the buffers' L, or the slots a mask covers), every

@@ -8,6 +8,11 @@ row keeps its own RoPE positions and a mask hides its padding. Everything runs u
 a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
 
+Where the model's decode steps are what ``attn::decode_loop`` computes (a CPU with AVX512-BF16,
+a Llama-style model with no hooks: ``TransformerDecoder.native_loop``), they run in C++, many a
+call (``attn.native_loop``), with the same tokens, log-probabilities and generator draws as the
+Python loop; ``on_tokens`` keeps the Python loop.
+
 A model sharded with torch.distributed (FSDP2, tensor parallelism) on a release that cannot
 run it under inference mode (``attn.context.generation_fallback``) runs under
 ``torch.no_grad()`` with the same flag instead: the same passes use the cache, the same tokens.
@@ -233,7 +238,8 @@ def generate(
             as they appear in ``generated`` (``pad_id`` for rows that stopped), to stream
             text as it comes. Reading them (``.tolist()``) is a host sync of the callback's
             own; steps that do not run (every row stopped) are not reported. None: no call,
-            no sync.
+            no sync. A callback keeps every step in the Python loop (``attn.native_loop``
+            runs steps in C++ otherwise, where the model's are what it computes).
 
     Example::
 
@@ -346,7 +352,6 @@ def _decode(
     b, P = prompt_tokens.shape
     device = prompt_tokens.device
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
-    all_logits = []
     # Ids and capacity were checked up front: the passes make no host reads of their own.
     with cached_passes(model), model.cache_state.checked_up_front():
         key_valid = torch.ones((b, num_slots), dtype=torch.bool, device=device)  # (b, n)
@@ -365,17 +370,33 @@ def _decode(
         new_tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
         new_mask = torch.zeros((b, max_new_tokens), dtype=torch.bool, device=device)
         logprobs = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=device)
+        all_logits = None  # (b, N, v): zeros after the last step that ran
+        if return_logits:
+            all_logits = torch.zeros((b, max_new_tokens, logits.shape[-1]), dtype=torch.float32, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         buffers = _Buffers(logits)  # (b, v) each, written in place every step
-        for step in range(max_new_tokens):
-            if return_logits:
-                all_logits.append(logits.float())
+        # Steps in C++ where the model's are what attn::decode_loop computes (attn.native_loop);
+        # a callback is Python between steps, so it keeps the loop below.
+        native = getattr(model, "native_loop", None)
+        loop = native(b, num_slots) if native is not None and on_tokens is None else None
+        step: int | None = 0
+        while step is not None:
+            if loop is not None and loop.current():
+                logits = logits.contiguous()  # written in place: the next step's
+                step = loop.run(
+                    logits, key_valid, next_pos, done, new_tokens, new_mask, logprobs, all_logits,
+                    stop_ids, pad_id, temperature, top_k, generator, step,
+                )  # fmt: skip
+                continue
+            loop = None  # changed since (a hook, a new weight): this generation's steps run here
+            if all_logits is not None:
+                all_logits[:, step] = logits
             token, logprob = _sample(logits, temperature, top_k, generator, buffers)  # each (b,)
             token = torch.where(done, pad_id, token)
             new_tokens[:, step] = token
             logprobs[:, step] = torch.where(done, 0.0, logprob)
             new_mask[:, step] = ~done
-            done = done | torch.isin(token, stop_ids)
+            done |= torch.isin(token, stop_ids)
             if on_tokens is not None:
                 on_tokens(token)
             if step == max_new_tokens - 1 or (stops and bool(done.all())):  # the one host read a step
@@ -385,11 +406,6 @@ def _decode(
             # would make torch.compile recompile the decode step.
             step_mask = slot_mask(key_valid, slot)  # (b, 1, n)
             logits = model(token[:, None], input_pos=next_pos, mask=step_mask)[:, -1]  # (b, v)
-            next_pos = next_pos + 1
-    logits_out = None
-    if return_logits:
-        vocab = all_logits[0].shape[-1]
-        padded = torch.zeros((b, max_new_tokens, vocab), dtype=torch.float32, device=device)
-        padded[:, : len(all_logits)] = torch.stack(all_logits, dim=1)
-        logits_out = padded
-    return new_tokens, new_mask, logprobs, logits_out
+            next_pos += 1
+            step += 1
+    return new_tokens, new_mask, logprobs, all_logits

@@ -1,5 +1,6 @@
 """Native CPU kernels, built on first use: ``attn::bf16_matvec``, ``attn::fp32_linear``,
-``attn::amx_linear``, ``attn::avx2_linear``, ``attn::decode_attention`` and ``attn::decode_layers``.
+``attn::amx_linear``, ``attn::avx2_linear``, ``attn::decode_attention``, ``attn::decode_layers``
+and ``attn::decode_loop``.
 
 A decode step at a small batch reads every weight once for a few rows, and every cached key and
 value once for a few queries: it is bound by memory reads, and by the instructions between
@@ -57,6 +58,11 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   8-10 of its 26-29 ms at 16 rows in Python, guards and small kernels between its products. 30
   layers of the SmolLM2-135M shape at 16 bf16 rows: 14.6-15.0 ms, the sum of their kernels (one
   call a layer, as the op first was; all 30 in one call took 0.4 ms less a step at batch 1).
+
+- ``attn::decode_loop`` (``decode_loop.cpp``): ``attn.generate``'s decode steps, many a call:
+  sampling with the Python sampler's ATen calls, the embedding, ``attn::decode_layers`` with the
+  final norm, the output layer's product (``attn.native_loop``). At batch 1 the Python around a
+  step's kernels was 1.1-1.3 ms of a 10-12 ms step (SmolLM2-135M shape, bf16, Zen 4).
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
 input checks) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
@@ -133,7 +139,7 @@ AMX_FROM_ROWS = 5
 row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 
 _CSRC = Path(__file__).with_name("csrc")
-_KERNELS = ("few_rows_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers")
+_KERNELS = ("few_rows_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers", "decode_loop")
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
 _HEADERS = [_CSRC / "kernels.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
 
@@ -150,6 +156,13 @@ _LIBRARY.define(
     "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
     "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows, "
     "Tensor? final_norm=None, float final_eps=0.0) -> Tensor"
+)
+_LIBRARY.define(
+    "decode_loop(Tensor(a!) logits, Tensor embedding, Tensor head, Tensor[] weights, Tensor?[] biases, "
+    "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor final_norm, float final_eps, float eps, float scale, "
+    "int amx_from_rows, Tensor cos_sin, Tensor key_valid, Tensor(d!) next_pos, Tensor(e!) fill, Tensor(f!) done, "
+    "Tensor(g!) new_tokens, Tensor(h!) new_mask, Tensor(i!) logprobs, Tensor(j!)? all_logits, Tensor stop_ids, "
+    "int pad_id, float temperature, int top_k, Generator? generator, int first_step, int last_step) -> int"
 )
 
 _built = False
@@ -171,7 +184,10 @@ def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
     return call
 
 
-for _name in ("bf16_matvec", "fp32_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers"):
+_OPERATORS = (
+    "bf16_matvec", "fp32_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers", "decode_loop"
+)  # fmt: skip
+for _name in _OPERATORS:
     _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from attn.bench.contenders import (
     CellContext,
     Generated,
     LlamaCpp,
+    _Timed,
     llama_cpp_available,
     transformers_available,
 )
@@ -34,6 +36,8 @@ from attn.bench.rl import SMOLLM2_135M as SMOLLM2
 from attn.bench.run import BenchSpec, run_benchmark
 from attn.policy import CachePolicy
 from attn.rope import RopeScaling
+
+from .conftest import needs_bf16_matvec, tiny_model
 
 TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, hidden_dim=48)
 TINY_JSON = json.dumps(TINY)
@@ -441,3 +445,22 @@ def test_rl_refuses_a_bad_shape(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--rl", "--config", "tiny", "--rl-shape", "2,3,16"])
     assert "--rl-shape takes four positive ints B,G,P,N, got [2, 3, 16]" in capsys.readouterr().err
+
+
+@needs_bf16_matvec
+def test_a_timed_generation_stamps_every_pass_of_the_native_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where attn::decode_loop runs many passes a call, each pass still gets a stamp (an even
+    share of its call's time), so the decode speed counts every pass."""
+    model = tiny_model(head_dim=16, hidden_dim=64).to(torch.bfloat16)
+    calls: list[int] = []
+    op = torch.ops.attn.decode_loop
+    monkeypatch.setattr(torch.ops.attn, "decode_loop", lambda *args: calls.append(op(*args)) or calls[-1])
+    timed = _Timed(model)
+    start = time.perf_counter()
+    attn.generate(timed, [[1, 2, 3]], max_new_tokens=40)
+    end = time.perf_counter()
+    assert sum(calls) == 39 and len(calls) > 1  # the loop ran the decode passes, in several calls
+    assert len(timed.stamps) == 40  # the prefill's and one a decode pass
+    assert start < timed.stamps[0] and timed.stamps == sorted(timed.stamps) and timed.stamps[-1] <= end
+    generated = Generated(torch.zeros(1, 40), None, start, timed.stamps)
+    assert generated.decode_tokens_per_s(1) == pytest.approx(39 / (timed.stamps[-1] - timed.stamps[0]))

@@ -129,6 +129,31 @@ class _Timed:
         self.stamps.append(time.perf_counter())
         return out
 
+    def native_loop(self, batch_size: int, num_slots: int) -> Any:
+        """The model's ``native_loop`` (``attn.native_loop``), its calls stamped: they run many
+        forward passes each, so each pass of a call gets an even share of the call's time (its
+        stamps are the call's mean step, and the decode speed is exact)."""
+        native = getattr(self.model, "native_loop", None)
+        loop = None if native is None else native(batch_size, num_slots)
+        return None if loop is None else _TimedLoop(loop, self.stamps)
+
+
+class _TimedLoop:
+    """A ``NativeLoop`` whose calls append a stamp for each forward pass they ran (``_Timed``)."""
+
+    def __init__(self, loop: Any, stamps: list[float]) -> None:
+        self.loop, self.stamps = loop, stamps
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loop, name)
+
+    def run(self, *args: Any) -> Any:
+        start, before = time.perf_counter(), self.loop.model_steps
+        following = self.loop.run(*args)
+        end, passes = time.perf_counter(), self.loop.model_steps - before
+        self.stamps.extend(start + (end - start) * (i + 1) / passes for i in range(passes))
+        return following
+
 
 @contextmanager
 def cache_policy(policy: CachePolicy | None) -> Iterator[None]:

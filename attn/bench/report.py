@@ -158,7 +158,7 @@ def compiled_summary(result: BenchResult) -> list[str]:
             parts.append(f"{compiled.fraction_of_roofline:.0%} of the roofline ({info.bound}-bound)")
         if compiled.graphs is not None:
             recompiled = compiled.recompiles_during_timed_runs
-            flag = "" if compiled.graphs == 1 and recompiled == 0 else " RECOMPILED"
+            flag = "" if compiled.graphs <= 1 and recompiled == 0 else " RECOMPILED"  # 0: its steps ran natively
             parts.append(f"{compiled.graphs} decode graph(s), {recompiled} during timed runs{flag}")
         if hf is not None and hf.peak_rss_mb and compiled.peak_rss_mb:
             parts.append(f"peak RSS {compiled.peak_rss_mb / hf.peak_rss_mb:.2f}x hf-static's")

@@ -4,6 +4,7 @@
 // and hashes this header into the build's flags.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
@@ -47,5 +48,12 @@ std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::T
 // scores from rows widened to fp32, as on a CPU without AVX512-BF16, where one has it (tests).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
                             double scale, bool widen = false);
+
+// A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
+// it computes and checks); attn::decode_loop calls it every step.
+at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                         const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
+                         int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps);
 
 }  // namespace attn
