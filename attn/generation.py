@@ -377,8 +377,10 @@ def _decode(
         buffers = _Buffers(logits)  # (b, v) each, written in place every step
         # Steps in C++ where the model's are what attn::decode_loop computes (attn.native_loop);
         # a callback is Python between steps, so it keeps the loop below.
-        native = getattr(model, "native_loop", None)
-        loop = native(b, num_slots) if native is not None and on_tokens is None else None
+        # The class's method: a torch.compile'd model (whose attributes are its module's) runs its
+        # compiled steps, as asked.
+        native = getattr(type(model), "native_loop", None)
+        loop = native(model, b, num_slots) if native is not None and on_tokens is None else None
         step: int | None = 0
         while step is not None:
             if loop is not None and loop.current():

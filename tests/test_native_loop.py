@@ -277,6 +277,18 @@ def test_a_compiled_decode_counts_the_loops_passes(monkeypatch: pytest.MonkeyPat
     assert compiled.native_loop(1, 64) is None
 
 
+def test_a_torch_compiled_model_runs_its_compiled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile(model)`` asked for compiled steps: its module's loop is not taken for it."""
+    model = _model(torch.bfloat16).eval()
+    calls = _loop_calls(monkeypatch)
+    compiled = torch.compile(model, backend="eager")
+    model.setup_caches(1, 64)
+    assert compiled.native_loop(1, 64) is not None  # its module's attribute, which generate does not ask
+    model.teardown_caches()
+    attn.generate(compiled, [[1, 2, 3]], max_new_tokens=5)
+    assert calls == []
+
+
 def test_generations_on_two_threads_each_take_their_own_models_loop() -> None:
     """Two models generating at once on two threads (the op runs without the GIL): each
     generation is what it is alone."""
