@@ -240,15 +240,16 @@ class DecoderLayer(nn.Module):
         """The weights (norm, q, k, v, o, norm, gate, up, down, and the q and k norms where the
         layer has them), biases (q, k, v, o) and norm epsilon ``attn::decode_layers`` takes for
         this layer; ``None`` where the layer is not the plain one it computes: a hook on one of
-        its modules (FSDP2's), a projection that is not attn's ``Linear`` (peft's LoRA layers), a
-        weight that is not a plain contiguous tensor (a DTensor, a parametrization), norms of
-        two epsilons or Gemma's ``1 + w``, a biased MLP. ``attn.native_step.NativeStep`` asks
+        its modules (FSDP2's) or a forward set on one's instance (accelerate's), a projection
+        that is not attn's ``Linear`` (peft's LoRA layers), a weight that is not a plain
+        contiguous tensor (a DTensor, a parametrization), norms of two epsilons or Gemma's
+        ``1 + w``, a biased MLP. ``attn.native_step.NativeStep`` asks
         once, and again after any change to what ``native_modules`` names."""
         containers, leaves = self.native_modules()
         norms, projections = leaves[:-7], leaves[-7:]
         for module in containers + leaves:
-            if module._forward_hooks or module._forward_pre_hooks:
-                return None
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+                return None  # a hook, or a forward set on the instance (accelerate's add_hook_to_module)
         for projection in projections:
             if type(projection) is not Linear:
                 return None
@@ -638,10 +639,13 @@ class TransformerDecoder(nn.Module):
 
     def native_final_norm(self) -> torch.Tensor | None:
         """The final norm's weight where ``attn::decode_layers`` can run the norm after the last
-        layer (Llama's RMSNorm, no hook on it, a plain contiguous weight), else None:
+        layer (Llama's RMSNorm, no hook on it nor a forward set on the instance, a plain
+        contiguous weight), else None:
         ``attn.native_step.NativeStep`` asks once, as it asks each layer for ``native_parts``."""
         norm = self.norm
         if type(norm) is not RMSNorm or norm.unit_offset or norm._forward_hooks or norm._forward_pre_hooks:
+            return None
+        if "forward" in norm.__dict__:  # set on the instance: it must run
             return None
         weight = norm._parameters.get("weight")
         return weight if type(weight) in _PLAIN_TENSORS and weight.is_contiguous() else None

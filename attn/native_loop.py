@@ -66,15 +66,18 @@ class NativeLoop:
             self._dicts.append(output._parameters)
             self._keys.append("weight")
             self._seen.append(output._parameters.get("weight"))
+        self._sizes = [len(m.__dict__) for m in self._hooked]  # one more with a forward set on an instance
 
     def current(self) -> bool:
         """Does the loop still compute the model's steps: the native step current, and the
-        embedding, output layer and RoPE table the objects it read, no hook added?"""
+        embedding, output layer and RoPE table the objects it read, no hook added, no forward set
+        on the model's, the embedding's or the output layer's instance?"""
         return (
             self.step.current()
             and self.model._native_step is self.step
             and all(map(operator.is_, map(dict.get, self._dicts, self._keys), self._seen))
             and not any(m._forward_hooks or m._forward_pre_hooks for m in self._hooked)
+            and [len(m.__dict__) for m in self._hooked] == self._sizes
             and not global_hooks()
         )
 

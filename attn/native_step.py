@@ -59,7 +59,8 @@ class _Watch:
     """What a ``NativeStep`` was built from, to tell cheaply whether it still holds: the
     decoder's layer list and final norm (its type, hooks, weight, ``eps`` and ``unit_offset``),
     and for each layer, the modules ``DecoderLayer.native_modules`` names: their types, how
-    many forward hooks each has, how many children each container has, and by identity the
+    many forward hooks and instance attributes (one more with a ``forward`` set on the
+    instance) each has, how many children each container has, and by identity the
     entries read: the containers' children, the leaves' parameters, the norms' ``eps`` and
     attention's ``scale`` and ``head_dim`` (new objects when assigned). The step holds every
     object compared, so none is freed while it is compared against."""
@@ -79,7 +80,8 @@ class _Watch:
                 read += [(entries, key) for key in entries]
             read += [(m.__dict__, "eps") for m in leaves if isinstance(m, RMSNorm)]
             read += [(containers[1].__dict__, "scale"), (containers[1].__dict__, "head_dim")]
-        sized += [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        # The instances' own attributes: one more where a forward is set on one (accelerate's hooks).
+        sized += [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks, m.__dict__)]
         self.sized = sized
         self.dicts = [entries for entries, _ in read]
         self.keys = [key for _, key in read]

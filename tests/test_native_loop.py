@@ -263,6 +263,31 @@ def test_a_change_between_calls_is_seen_within_a_call(monkeypatch: pytest.Monkey
     torch.testing.assert_close(got.logprobs, expected.logprobs, rtol=2**-5, atol=2**-5)
 
 
+@pytest.mark.parametrize("where", ["model", "embedding", "output", "layer"])
+def test_a_forward_set_on_an_instance_between_calls_runs_from_then_on(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward set on an instance while the loop runs (accelerate's ``add_hook_to_module``)
+    is seen at the next call: the rest of the steps run in Python, through it."""
+    model = _model(torch.bfloat16, "untied")
+    module = {"model": model, "embedding": model.tok_embeddings, "output": model.output}.get(where)
+    module = model.layers[1].mlp if module is None else module
+    fired: list[int] = []
+    forward = module.forward
+    run = NativeLoop.run
+
+    def run_then_patch(self: NativeLoop, *args: object) -> int | None:
+        following = run(self, *args)
+        if "forward" not in module.__dict__:
+            module.forward = lambda *a, **k: fired.append(1) or forward(*a, **k)
+        return following
+
+    monkeypatch.setattr(NativeLoop, "run", run_then_patch)
+    calls = _loop_calls(monkeypatch)
+    attn.generate(model, [[1, 2, 3]], max_new_tokens=CHUNK_STEPS + 6)
+    assert calls == [CHUNK_STEPS] and len(fired) == 5  # the passes after the first call
+
+
 def test_a_compiled_decode_counts_the_loops_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile_for_decode``'s steps that run the eager model's native step run in the loop too,
     each pass counted in ``stats.native_steps``; ``native_layers=False`` compiles its steps."""

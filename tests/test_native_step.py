@@ -129,6 +129,13 @@ def _lora(model: TransformerDecoder, seen: list[str]) -> None:
     model.layers[0].attn.q_proj.register_forward_pre_hook(lambda module, args: seen.append("lora"))
 
 
+def _patched_forward(model: TransformerDecoder, seen: list[str]) -> None:
+    """A forward set on the instance, as accelerate's ``add_hook_to_module`` does."""
+    mlp = model.layers[1].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: seen.append("patched") or forward(x)
+
+
 def _pre_hooked_layer(model: TransformerDecoder, seen: list[str]) -> None:
     model.layers[2].register_forward_pre_hook(lambda module, args: seen.append("layer"))
 
@@ -139,6 +146,7 @@ def _pre_hooked_layer(model: TransformerDecoder, seen: list[str]) -> None:
     [
         (_hooked, "hook", [1, 1]),  # FSDP2's hooks, a user's probe: they must run
         (_lora, "lora", [2]),  # peft's LoRA layers: the adapter must be applied
+        (_patched_forward, "patched", [1, 1]),  # accelerate's hooks replace forward on the instance
         (_pre_hooked_layer, "layer", [2]),
     ],
 )
@@ -245,7 +253,8 @@ _HOOKED = ("", "attn", "mlp", "attn_norm", "mlp_norm", *_PROJECTIONS, "mlp.down_
 class NativeStepMachine(RuleBasedStateMachine):
     """Two copies of one model take the same calls: one whose decode steps are native, one on the
     stock kernels. Between steps, either may change in any way the native step reads: a hook
-    added or removed on any module of a layer or on the final norm, a projection's weight or
+    added or removed on any module of a layer or on the final norm, a forward set on one of those
+    modules' instances, a projection's weight or
     bias replaced, a projection swapped for an adapter, a norm's eps changed, the final norm's
     weight and eps replaced, cache rows kept or forked, caches set up again. Every change is
     followed by a step (and more come at random), and every step's logits agree: the native
@@ -338,6 +347,17 @@ class NativeStepMachine(RuleBasedStateMachine):
             else:
                 handles.append(model.norm.register_forward_hook(lambda m, args, out: out + 0.01))
         self.hooks.append(handles)
+        self.step()
+
+    @rule(layer=st.integers(0, 2), name=st.sampled_from([*_HOOKED, "norm"]))
+    def patch_forward(self, layer: int, name: str) -> None:
+        """A forward set on a module instance, as accelerate's ``add_hook_to_module`` does: it must run."""
+        for model in self.both():
+            module = model.norm if name == "norm" else model.layers[layer].get_submodule(name)
+            if "forward" in module.__dict__:
+                continue
+            forward = module.forward
+            module.forward = lambda *args, _forward=forward, **kwargs: _forward(*args, **kwargs) * 0.95
         self.step()
 
     @rule(eps=st.sampled_from([1e-5, 0.5]), seed=st.integers(0, 3))
