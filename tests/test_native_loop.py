@@ -381,6 +381,7 @@ _BAD_CALLS = {
     "steps outside the generation": (dict(last_step=9), "steps [0, 9) are not a range of the generation's 8"),
     "a top_k past the vocabulary": (dict(top_k=62, temperature=1.0), "top_k 62 in [0, 61]"),
     "rows that do not match": (dict(done=torch.zeros(2, dtype=torch.bool)), "done (1,) bool"),
+    "a RoPE table of another head dim": (dict(cos_sin=torch.zeros(2, 64, 8)), "rows (8) must be the caches' head dim"),
 }
 
 

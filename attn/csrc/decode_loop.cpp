@@ -121,8 +121,15 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
               " rows, temperature ", temperature, " >= 0 and top_k ", top_k, " in [0, ", v, "] (0: none)");
   TORCH_CHECK(v <= embedding.size(0), "attn::decode_loop: ", v, " logits a row, but the embedding has ",
               embedding.size(0), " rows: a token could have no embedding");
-  TORCH_CHECK(stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 1 && stop_ids.is_contiguous(),
-              "attn::decode_loop: stop_ids must be a 1-d long tensor");
+  TORCH_CHECK(stop_ids.scalar_type() == at::kLong && stop_ids.dim() == 1 && stop_ids.is_contiguous() &&
+                  stop_ids.device().is_cpu() && done.device().is_cpu() && fill.device().is_cpu() &&
+                  cos_sin.device().is_cpu(),
+              "attn::decode_loop: stop_ids must be a 1-d long CPU tensor, and done, fill and cos_sin CPU tensors");
+  TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 4 && k_caches[0].size(3) == d && weights.size() > 0 &&
+                  weights[0].dim() == 1 && weights[0].size(0) == e,
+              "attn::decode_loop: the RoPE table's rows (", d, ") must be the caches' head dim and the embedding's "
+              "width (", e, ") the first norm's, got caches ", k_caches.empty() ? at::IntArrayRef() : k_caches[0].sizes(),
+              " and a first weight ", weights.size() > 0 ? weights[0].sizes() : at::IntArrayRef());
   int64_t* pos = next_pos.data_ptr<int64_t>();
   const int64_t first_slot = fill.data_ptr<int64_t>()[0];
   const int64_t steps = last_step - first_step;  // model steps are at most this many, each a slot and a position
