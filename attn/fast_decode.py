@@ -620,12 +620,7 @@ class DecodeCompiled(nn.Module):
     def _runs_native_layers(self, batch_size: int) -> bool:
         """Does a cached step of ``batch_size`` rows run the model's eager step, its layers
         ``attn::decode_layers`` calls (``TransformerDecoder.native_layers``), rather than compile?
-        Unless ``native_layers`` or ``native`` is False, and not for one fp32 row, where the
-        compiled step's row reductions read the weights faster: SmolLM2-135M shape, AMD EPYC Zen
-        4, 50.6 against 38.0 tok/s on one thread and 77.7 against 69.1 on two (at 4 rows the
-        native step, 250.5 against 168.7)."""
-        if batch_size == 1 and self.model.tok_embeddings.weight.dtype == torch.float32:
-            return False
+        Unless ``native_layers`` or ``native`` is False."""
         return self.native_layers and self.native is not False and self.rewrite and self.model.native_layers(batch_size)
 
     def native_loop(self, batch_size: int, num_slots: int) -> NativeLoop | None:
@@ -752,9 +747,8 @@ def compile_for_decode(
         native_layers: cached steps the model's eager step runs as ``attn::decode_layers``
             calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, a
             Llama-style model, rows its products take) run so, and compile nothing: that step
-            was faster than the compiled one (``docs/performance.md``), except for one fp32
-            row, which compiles. ``False`` compiles every step (as ``native=False`` and
-            ``rewrite_linears=False`` do).
+            was faster than the compiled one (``docs/performance.md``). ``False`` compiles
+            every step (as ``native=False`` and ``rewrite_linears=False`` do).
 
     Returns:
         A ``DecodeCompiled`` to pass to ``attn.generate`` in place of the model.

@@ -285,25 +285,6 @@ def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> N
 
 
 @needs_bf16_matvec
-def test_one_fp32_row_compiles_its_step_and_more_rows_run_natively() -> None:
-    """One fp32 row: the compiled step's row reductions read the weights faster than the native
-    step (docs/performance.md), so it compiles; at 2 rows and in bf16 the native step runs."""
-    model = tiny_model(head_dim=16, hidden_dim=64).eval()
-    fast = compile_for_decode(model)
-    model.setup_caches(2, 32)
-    assert model.native_layers(1) and model.native_layers(2)  # the eager model would run either natively
-    assert not fast._runs_native_layers(1) and fast._runs_native_layers(2)
-    assert fast.native_loop(1, 32) is None and fast.native_loop(2, 32) is not None
-    model.teardown_caches()
-    got = attn.generate(fast, [[1, 2, 3]], max_new_tokens=6)
-    assert fast.stats.graphs == 1 and fast.stats.native_steps == 0, fast.stats
-    assert torch.equal(got.tokens, attn.generate(model, [[1, 2, 3]], max_new_tokens=6).tokens)
-    bf16 = compile_for_decode(tiny_model(head_dim=16, hidden_dim=64).to(torch.bfloat16).eval())
-    bf16.model.setup_caches(1, 32)
-    assert bf16._runs_native_layers(1)
-
-
-@needs_bf16_matvec
 def test_steps_the_eager_model_runs_natively_run_so_and_compile_nothing() -> None:
     """A cached step whose layers the eager model runs as attn::decode_layer calls runs the
     eager step (faster than a compiled one, and no compile); native_layers=False compiles it."""

@@ -6,7 +6,9 @@
 // A decode step at a small batch reads every weight once: it is bound by memory reads. Each
 // pass over a step of features (32 bf16, 16 fp32) loads R weight rows once and multiplies them
 // into M input rows (M x R accumulators of 16 fp32 lanes, at most 24, so they fit in the
-// registers with the loads), prefetching the weight rows ahead into L2 (the hardware brings them
+// registers with the loads), from 2 rows of x on prefetching the weight rows ahead into L2 (one
+// row of x reads one weight row a pass and leaves the stream to the hardware: outputs() says
+// why; where prefetched, the hardware brings them
 // on into L1; prefetching into L1 itself was 1.3-1.5x slower at 1 to 8 rows on an AMD EPYC, Zen
 // 4: the 30 layers and the head, bf16, 9.4 against 12.4 ms at 1 row, 10.1 against 15.5 at 8;
 // fp32 17.6 against 20.0 at 1 row, 19.3 against 26.8 at 8; not re-measured on the Intel kinds);
@@ -64,9 +66,7 @@ struct Bf16 {
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
   static constexpr int64_t kMaxRows = attn::kBf16MatvecMaxRows;
-  // One row of x: one weight row a pass, read as one sequential stream (4 rows a pass, 4 streams
-  // 1152 bytes apart at K = 576, took 0.89-0.90 of its time for the 30 layers and the head on one
-  // thread, 0.93 on two: Zen 4, paired processes, 2026-12-06). > 8: passes of 6 rows.
+  // One row of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
   static constexpr int rows_per_pass(int m) { return m == 1 ? 1 : m <= 4 ? 4 : m <= 8 ? 3 : 4; }
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? (__m512bh)_mm512_maskz_loadu_epi16(tail, p) : (__m512bh)_mm512_loadu_si512(p);
@@ -103,7 +103,8 @@ struct Fp32 {
   static constexpr int64_t kStep = 16;
   static constexpr int64_t kAhead = 8;
   static constexpr int64_t kMaxRows = attn::kFp32LinearMaxRows;
-  static constexpr int rows_per_pass(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 4; }  // > 8: passes of 6 rows
+  // One row of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
+  static constexpr int rows_per_pass(int m) { return m == 1 ? 1 : m <= 4 ? 4 : m <= 8 ? 2 : 4; }
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? _mm512_maskz_loadu_ps(tail, p) : _mm512_loadu_ps(p);
   }
@@ -190,15 +191,24 @@ ATTN_AVX512_BF16 inline void sums_in_passes(const typename D::Value* w, const ty
 // pass multiplies each weight row into all of them; past 8, passes of 6 rows take the same 4
 // weight rows, read again from L1, so that a step loads 4 weight vectors and 6 of x for 24
 // products (0.42 loads a product, against 1.06 for one weight row into 16 rows).
+// One row of x reads one weight row a pass, with no software prefetch: the weights go by as one
+// sequential stream, which the hardware's stream prefetcher follows best. The 30 layers and the
+// head of the SmolLM2-135M shape at one row (Zen 4, separate builds in paired processes,
+// 2026-12-06), against 4 weight rows a pass (4 streams 1152 bytes apart) prefetched 16 rows ahead:
+// bf16 0.89-0.90 of the time on one thread with one row a pass still prefetched, and 0.72-0.78
+// without the prefetch (about 26 GB/s, llama.cpp's rate on that thread), median 0.91 on two; fp32
+// 0.73-0.77 on one, about 0.95 on two. The prefetch 8 or 32 rows ahead changed nothing; with 4
+// rows a pass and no prefetch the read was 12 GB/s.
 template <typename D, int M, int R>
 ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Value* X, const typename D::Value* bias,
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
+  constexpr bool kPrefetch = M > 1;
   // sums[m * R + r]; a pass stores its sums rounded up to 16 floats, which the 16 spare cover
   alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];
   for (int64_t n = n0; n < n1; n += R) {
     const typename D::Value* w = W + n * K;
-    const typename D::Value* ahead = n + kAhead + R <= N ? w + kAhead * K : nullptr;
+    const typename D::Value* ahead = kPrefetch && n + kAhead + R <= N ? w + kAhead * K : nullptr;
     sums_in_passes<D, M, R>(w, X, K, ahead, sums);
     float shift[R];  // the block's bias in fp32, widened once for all M rows
 #pragma GCC unroll 8
