@@ -40,14 +40,15 @@ __all__ = ["DecoderConfig", "TransformerDecoder", "decoder_of"]
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # not a DTensor, not another subclass
 
 
+def _runs_as_is(module: nn.Module) -> bool:
+    """Does ``module`` run its class's ``forward`` alone: no hook on it, and no forward set on the
+    instance (accelerate's ``add_hook_to_module``)? A native kernel may then compute it."""
+    return not (module._forward_hooks or module._forward_pre_hooks) and "forward" not in module.__dict__
+
+
 def _plain_module(module: nn.Module, kind: type[nn.Module]) -> bool:
-    """Is ``module`` a ``kind`` itself (not a subclass, not peft's wrapper), with no hook and its
-    class's own ``forward``?"""
-    return (
-        type(module) is kind
-        and "forward" not in module.__dict__
-        and not (module._forward_hooks or module._forward_pre_hooks)
-    )
+    """Is ``module`` a ``kind`` itself (not a subclass, not peft's wrapper) that runs as is?"""
+    return type(module) is kind and _runs_as_is(module)
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -247,9 +248,8 @@ class DecoderLayer(nn.Module):
         once, and again after any change to what ``native_modules`` names."""
         containers, leaves = self.native_modules()
         norms, projections = leaves[:-7], leaves[-7:]
-        for module in containers + leaves:
-            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
-                return None  # a hook, or a forward set on the instance (accelerate's add_hook_to_module)
+        if not all(map(_runs_as_is, containers + leaves)):
+            return None
         for projection in projections:
             if type(projection) is not Linear:
                 return None
@@ -643,9 +643,7 @@ class TransformerDecoder(nn.Module):
         contiguous weight), else None:
         ``attn.native_step.NativeStep`` asks once, as it asks each layer for ``native_parts``."""
         norm = self.norm
-        if type(norm) is not RMSNorm or norm.unit_offset or norm._forward_hooks or norm._forward_pre_hooks:
-            return None
-        if "forward" in norm.__dict__:  # set on the instance: it must run
+        if not _plain_module(norm, RMSNorm) or norm.unit_offset:
             return None
         weight = norm._parameters.get("weight")
         return weight if type(weight) in _PLAIN_TENSORS and weight.is_contiguous() else None

@@ -301,6 +301,10 @@ Layer check_layer(size_t index, const at::Tensor& x, at::TensorList weights, con
 
 namespace attn {
 
+at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows) {
+  return product(x, weight, c10::nullopt, amx_from_rows);
+}
+
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,

@@ -27,14 +27,6 @@
 
 namespace {
 
-// The output layer's product, the kernel attn.native.native_product chooses for it.
-at::Tensor head_product(const at::Tensor& h, const at::Tensor& weight, int64_t amx_from_rows) {
-  if (h.scalar_type() == at::kFloat) return attn::fp32_linear(h, weight, c10::nullopt);
-  if (amx_from_rows > 0 && h.size(0) >= amx_from_rows && h.size(1) % 32 == 0)
-    return attn::amx_linear(h, weight, c10::nullopt);
-  return attn::bf16_matvec(h, weight, c10::nullopt);
-}
-
 // One token a row from (b, v) logits, and its log-probability: attn.generation._sample's ATen
 // calls, in its order. scaled and probs (b, v) fp32, cumulative (b, v) fp64: written in place.
 std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, double temperature, int64_t top_k,
@@ -187,7 +179,7 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
     }
     const at::Tensor h = decode_layers(x, weights, biases, k_caches, v_caches, slot, mask, rotation, eps, scale,
                                        amx_from_rows, final_norm, final_eps);  // (b, 1, e), normed
-    current = head_product(h.view({b, e}), head, amx_from_rows);  // (b, v)
+    current = layer_product(h.view({b, e}), head, amx_from_rows);  // (b, v)
     fill.add_(1);
     for (int64_t r = 0; r < b; ++r) pos[r] += 1;
   }

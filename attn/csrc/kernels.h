@@ -56,4 +56,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
                          int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps);
 
+// x (M, K) by one bias-free weight with the kernel attn::decode_layers picks for its products
+// (decode_layers.cpp); attn::decode_loop's output layer.
+at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows);
+
 }  // namespace attn
