@@ -6,9 +6,9 @@
 // A decode step at a small batch reads every weight once: it is bound by memory reads. Each
 // pass over a step of features (32 bf16, 16 fp32) loads R weight rows once and multiplies them
 // into M input rows (M x R accumulators of 16 fp32 lanes, at most 24, so they fit in the
-// registers with the loads), from 2 rows of x on prefetching the weight rows ahead into L2 (one
-// row of x reads one weight row a pass and leaves the stream to the hardware: outputs() says
-// why; where prefetched, the hardware brings them
+// registers with the loads), prefetching the weight rows ahead into L2 where a pass takes more
+// than one (one row of x, or two in bf16, reads one weight row a pass and leaves the stream to the
+// hardware: outputs() says why); where prefetched, the hardware brings them
 // on into L1; prefetching into L1 itself was 1.3-1.5x slower at 1 to 8 rows on an AMD EPYC, Zen
 // 4: the 30 layers and the head, bf16, 9.4 against 12.4 ms at 1 row, 10.1 against 15.5 at 8;
 // fp32 17.6 against 20.0 at 1 row, 19.3 against 26.8 at 8; not re-measured on the Intel kinds);
@@ -66,8 +66,8 @@ struct Bf16 {
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
   static constexpr int64_t kMaxRows = attn::kBf16MatvecMaxRows;
-  // One row of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
-  static constexpr int rows_per_pass(int m) { return m == 1 ? 1 : m <= 4 ? 4 : m <= 8 ? 3 : 4; }
+  // One or two rows of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
+  static constexpr int rows_per_pass(int m) { return m <= 2 ? 1 : m <= 4 ? 4 : m <= 8 ? 3 : 4; }
   ATTN_AVX512_BF16 static Vector load(const Value* p, Mask tail) {
     return tail ? (__m512bh)_mm512_maskz_loadu_epi16(tail, p) : (__m512bh)_mm512_loadu_si512(p);
   }
@@ -198,12 +198,16 @@ ATTN_AVX512_BF16 inline void sums_in_passes(const typename D::Value* w, const ty
 // bf16 0.89-0.90 of the time on one thread with one row a pass still prefetched, and 0.72-0.78
 // without the prefetch (about 26 GB/s, llama.cpp's rate on that thread), median 0.91 on two; fp32
 // 0.73-0.77 on one, about 0.95 on two. The prefetch 8 or 32 rows ahead changed nothing; with 4
-// rows a pass and no prefetch the read was 12 GB/s.
+// rows a pass and no prefetch the read was 12 GB/s. bf16 at two rows of x takes one stream too:
+// the 30 layers (attn::decode_layers) 0.78 of the time on one thread, 0.94 on two (both builds in
+// one process, run in turn, median of 12 paired ratios, 2026-12-07); not at three rows (1.19 and
+// 1.05), and not fp32 at two (1.18 and 1.23: a weight row of fp32 is twice the loads a product).
+// Where a pass takes more than one weight row, they are prefetched.
 template <typename D, int M, int R>
 ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Value* X, const typename D::Value* bias,
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
-  constexpr bool kPrefetch = M > 1;
+  constexpr bool kPrefetch = D::rows_per_pass(M) > 1;
   // sums[m * R + r]; a pass stores its sums rounded up to 16 floats, which the 16 spare cover
   alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];
   for (int64_t n = n0; n < n1; n += R) {
