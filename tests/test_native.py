@@ -85,6 +85,9 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
+# two rows read one weight row a pass, three read four: each side of that choice, with a tail
+@example(outputs=70, features=140, rows=2, layout="(m, k)", bias=True, threads=2, seed=1)
+@example(outputs=70, features=140, rows=3, layout="(m, 1, k)", bias=False, threads=1, seed=2)
 @settings(max_examples=examples(80), deadline=None)
 def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
