@@ -22,6 +22,7 @@ from torch import nn
 
 from attn.attention import MultiHeadAttention
 from attn.checks import check_positive_int, head_shape, is_int, is_number
+from attn.huge_pages import huge_page_zeros
 from attn.kv_cache import CacheState, KVCache
 from attn.native import decode_layers_available, native_product
 from attn.native_loop import NativeLoop
@@ -344,6 +345,7 @@ class TransformerDecoder(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        huge_pages: bool = True,
     ) -> None:
         """Gives every layer a fresh, empty static cache, replacing any old one.
 
@@ -352,6 +354,11 @@ class TransformerDecoder(nn.Module):
             max_seq_len: tokens the cache holds; at most ``config.max_seq_len``.
             dtype: cache dtype (default: the model's parameter dtype).
             device: cache device (default: the model's parameter device).
+            huge_pages: on the CPU, put every layer's keys and values in one mapping backed by
+                transparent huge pages (``attn.huge_pages.huge_page_zeros``), where the system
+                offers them and the caches take at least one (2 MiB): a decode step reads them
+                from 4 KiB pages more slowly (``docs/performance.md``). ``False``: ordinary
+                tensors.
         """
         check_positive_int(batch_size, "setup_caches batch_size")
         check_positive_int(max_seq_len, "setup_caches max_seq_len")
@@ -370,11 +377,34 @@ class TransformerDecoder(nn.Module):
             )
         layers = self._attention()
         dtype, device = dtype or weight.dtype, device or weight.device
-        caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]  # allocate all,
-        self.cache_state.attach(caches)  # then replace: no layer is left half set up
+        caches = self._new_caches(layers, batch_size, max_seq_len, dtype, torch.device(device), huge_pages)
+        self.cache_state.attach(caches)  # allocated all, then replace: no layer is left half set up
         self._native_step = None  # it holds the old caches' modules
         for attention, cache in zip(layers, caches, strict=True):
             attention.kv_cache = cache
+
+    @staticmethod
+    def _new_caches(
+        layers: list[MultiHeadAttention],
+        batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        huge_pages: bool,
+    ) -> list[KVCache]:
+        """A fresh cache per layer; on the CPU with ``huge_pages``, their buffers in one
+        huge-page mapping where there is one (built on the meta device first: never allocated
+        twice)."""
+        if not (huge_pages and device.type == "cpu"):
+            return [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]
+        caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device="meta") for a in layers]
+        shapes = [(cache.k_cache.shape, dtype) for cache in caches for _ in range(2)]  # k, v of each layer in turn
+        zeros = huge_page_zeros(shapes, "setup_caches")
+        if zeros is None:
+            return [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]
+        for cache, k, v in zip(caches, zeros[0::2], zeros[1::2], strict=True):
+            cache.k_cache, cache.v_cache = k, v
+        return caches
 
     def caches_are_setup(self) -> bool:
         """Do the layers have KV-caches?"""

@@ -15,15 +15,17 @@ measurements.
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["HugePageWarning", "huge_page_bytes", "huge_pages_available", "place_in_huge_pages"]
+__all__ = ["HugePageWarning", "huge_page_bytes", "huge_page_zeros", "huge_pages_available", "place_in_huge_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's transparent huge page
 _ALIGNMENT = 64  # bytes: a cache line, where each parameter starts
@@ -68,6 +70,44 @@ def _movable(module: nn.Module) -> list[nn.Parameter]:
     ]
 
 
+def _windows(
+    tensors: Sequence[tuple[Sequence[int], torch.dtype]], who: str, what: str
+) -> tuple[list[torch.Tensor], int] | None:
+    """Tensors of the given shapes and dtypes (zeros), each a window of one private anonymous
+    mapping advised ``MADV_HUGEPAGE``, in that order, each starting on a cache line; and the
+    bytes they take. None where the system offers no transparent huge pages or they take less
+    than one huge page (an arena of 4 KiB pages reads no faster than separate tensors), and
+    where the system refuses the mapping (a ``HugePageWarning`` from ``who`` saying ``what``
+    happens instead)."""
+    offsets, size = [], 0
+    for shape, dtype in tensors:
+        offsets.append(size)
+        size += -(-math.prod(shape) * dtype.itemsize // _ALIGNMENT) * _ALIGNMENT
+    if not huge_pages_available() or size < HUGE_PAGE:
+        return None
+    length = -(-size // HUGE_PAGE) * HUGE_PAGE
+    try:
+        arena = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = -torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
+        arena.madvise(mmap.MADV_HUGEPAGE, start, length)  # before any page is touched
+    except OSError as error:  # no memory to commit (overcommit off), or a kernel without THP
+        warnings.warn(
+            f"{who}: the system refused a {length >> 20} MiB mapping of huge pages ({error}); {what}",
+            HugePageWarning,
+            stacklevel=3,
+        )
+        return None
+    windows = []
+    with torch.inference_mode(False):  # normal tensors, whatever mode the caller is in
+        for (shape, dtype), offset in zip(tensors, offsets, strict=True):
+            # a storage of its own, a window of the mapping
+            window = torch.frombuffer(
+                arena, dtype=torch.uint8, count=math.prod(shape) * dtype.itemsize, offset=start + offset
+            )
+            windows.append(window.view(dtype).view(tuple(shape)))
+    return windows, size
+
+
 def place_in_huge_pages(module: nn.Module, *, copy: bool = True) -> int:
     """Moves ``module``'s CPU parameters into one mapping backed by transparent huge pages.
 
@@ -94,35 +134,30 @@ def place_in_huge_pages(module: nn.Module, *, copy: bool = True) -> int:
         attn.place_in_huge_pages(model)  # decode reads the weights from 2 MiB pages
     """
     params = _movable(module)
-    offsets, size = [], 0
-    for p in params:
-        offsets.append(size)
-        size += -(-p.numel() * p.element_size() // _ALIGNMENT) * _ALIGNMENT
-    if not huge_pages_available() or size < HUGE_PAGE:
+    placed = _windows(
+        [(p.shape, p.dtype) for p in params], "place_in_huge_pages", "the parameters stay in the memory they had"
+    )
+    if placed is None:
         return 0
-    length = -(-size // HUGE_PAGE) * HUGE_PAGE
-    try:
-        arena = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = -torch.frombuffer(arena, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE  # the first 2 MiB boundary
-        arena.madvise(mmap.MADV_HUGEPAGE, start, length)  # before any page is touched
-    except OSError as error:  # no memory to commit (overcommit off), or a kernel without THP
-        warnings.warn(
-            f"place_in_huge_pages: the system refused a {length >> 20} MiB mapping of huge pages ({error}); "
-            "the parameters stay in the memory they had",
-            HugePageWarning,
-            stacklevel=2,
-        )
-        return 0
+    places, size = placed
     with torch.no_grad():
-        for p, offset in zip(params, offsets, strict=True):
-            nbytes = p.numel() * p.element_size()
-            # a storage of its own, a window of the mapping
-            window = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=start + offset)
-            place = window.view(p.dtype).view(p.shape)
+        for p, place in zip(params, places, strict=True):
             if copy:
                 place.copy_(p.data)
             p.data = place
     return size
+
+
+def huge_page_zeros(shapes: Sequence[tuple[Sequence[int], torch.dtype]], who: str) -> list[torch.Tensor] | None:
+    """Zeroed CPU tensors of the given shapes and dtypes in one mapping backed by transparent
+    huge pages, in that order, each a storage of its own; None where the system offers none or
+    they take less than one huge page (then allocate them as usual). What
+    ``TransformerDecoder.setup_caches`` puts a CPU model's KV-caches in: a decode step reads each
+    layer's keys and values once, and from 4 KiB pages the hardware's prefetcher stops at every
+    page (``docs/performance.md``). ``who``: the caller, named in the warning where the system
+    refuses the mapping."""
+    placed = _windows(shapes, who, "the tensors are allocated as usual")
+    return None if placed is None else placed[0]
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:

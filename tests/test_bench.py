@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attn
-from attn import bench
+from attn import bench, huge_pages
 from attn.bench import run as run_module
 from attn.bench.check import check_logits, check_tokens
 from attn.bench.contenders import (
@@ -251,6 +251,21 @@ def test_probe_reads_at_least_what_a_step_reads() -> None:
     cell = Cell("smollm2", config, torch.float32, 1, 1, 128, 128)
     assert run_module.probe_megabytes(cell) == -(-(weights + kv) // 2**20)  # 522 MiB, more than a 256 MiB probe
     assert run_module.probe_megabytes(tiny_cell()) == 256
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_the_read_probe_reads_ones_from_huge_pages_where_the_system_offers_them(
+    offered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attn's weights and caches live in huge pages where there are any: the probe reads as they
+    are read (from 4 KiB pages one thread read half as fast), every page written first."""
+    if offered and not huge_pages.huge_pages_available():
+        pytest.skip("this system offers no transparent huge pages")
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: offered)
+    buffer = bench.measure.probe_buffer(8)
+    assert buffer.dtype == torch.float32 and buffer.numel() == 8 * 2**20 // 4
+    assert float(buffer.sum()) == buffer.numel()
+    assert (huge_pages.huge_page_bytes(buffer) >= huge_pages.HUGE_PAGE) == offered
 
 
 def test_llama_cpp_says_why_it_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -210,3 +210,103 @@ def test_moved_parameters_copy_pickle_and_share_as_any() -> None:
         assert p.is_shared() and torch.equal(p, values[name]), name
         assert torch.equal(dict(twin.named_parameters())[name], values[name])
         assert torch.equal(loaded[name], values[name])
+
+
+# -- KV-caches (TransformerDecoder.setup_caches) and huge_page_zeros ------------------------
+
+
+def _caches(model: attn.TransformerDecoder) -> list[torch.Tensor]:
+    """Every layer's keys and values, in the order a step reads them."""
+    return [t for layer in model.layers for t in (layer.attn.kv_cache.k_cache, layer.attn.kv_cache.v_cache)]
+
+
+@needs_huge_pages
+def test_setup_caches_puts_every_layers_keys_and_values_in_one_huge_page_mapping() -> None:
+    model = tiny_model(8, max_seq_len=128, embed_dim=128)  # 2 layers of (64, 2, 128, 32) fp32: 8 MiB of caches
+    with torch.inference_mode():  # generate sets its caches up so: they must still be normal tensors
+        model.setup_caches(64, 128)
+    caches = _caches(model)
+    assert caches[0].data_ptr() % HUGE_PAGE == 0
+    assert {_mapping(t.data_ptr()) for t in caches} == {_mapping(caches[0].data_ptr())}
+    assert len({t.untyped_storage().data_ptr() for t in caches}) == len(caches)  # a storage each
+    for t in caches:
+        assert not t.is_inference() and t.is_contiguous() and t.dtype == torch.float32 and not t.any()
+    caches[0].fill_(1.0)  # a written page of the mapping is a huge one
+    assert huge_page_bytes(caches[0]) >= HUGE_PAGE
+    model.setup_caches(64, 128, huge_pages=False)
+    assert all(_mapping(t.data_ptr()) != _mapping(caches[0].data_ptr()) for t in _caches(model))
+    assert huge_page_bytes(_caches(model)[0]) == 0
+
+
+@needs_huge_pages
+def test_caches_under_a_huge_page_stay_ordinary_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(9)
+    model.setup_caches(2, 16)  # KiB
+    assert all(t.data_ptr() % HUGE_PAGE != 0 or huge_page_bytes(t) == 0 for t in _caches(model))
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: False)
+    model = tiny_model(9, max_seq_len=128, embed_dim=128)
+    model.setup_caches(64, 128)  # MiB, but no huge pages on offer
+    assert huge_page_bytes(_caches(model)[0].fill_(1.0)) == 0
+
+
+@needs_huge_pages
+def test_a_refused_cache_mapping_warns_and_allocates_as_usual(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    model = tiny_model(10, max_seq_len=128, embed_dim=128)
+    with pytest.warns(huge_pages.HugePageWarning, match=r"setup_caches: the system refused a \d+ MiB mapping"):
+        model.setup_caches(64, 128)
+    assert all(t.shape == (64, 2, 128, 32) and not t.any() for t in _caches(model))
+
+
+@needs_huge_pages
+@settings(max_examples=examples(6), deadline=None)
+@example(rows=40, prompt=20, new=12, dtype=torch.bfloat16, seed=0)  # 5 MiB of caches: placed
+@given(
+    rows=st.integers(1, 40),
+    prompt=st.integers(1, 20),
+    new=st.integers(1, 12),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_generation_over_huge_page_caches_equals_ordinary_ones(
+    rows: int, prompt: int, new: int, dtype: torch.dtype, seed: int
+) -> None:
+    """The same tokens, log-probs and logits bit for bit, and the same cache contents after,
+    whichever memory the caches are in (they are placed where they take a huge page or more)."""
+    model = tiny_model(seed % 7, max_seq_len=256, num_layers=4, embed_dim=64, num_heads=4).to(dtype)  # heads of 16
+    prompts = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=torch.Generator().manual_seed(seed))
+    results = []
+    for placed in (True, False):
+        model.setup_caches(rows, 256, huge_pages=placed)
+        with torch.inference_mode():
+            out = attn.generate(model, prompts, max_new_tokens=new, return_logits=True)
+        results.append((out, [t.clone() for t in _caches(model)]))
+        if placed:
+            total = sum(t.numel() * t.element_size() for t in _caches(model))
+            assert (huge_page_bytes(_caches(model)[0]) > 0) == (total >= HUGE_PAGE)
+    (a, caches_a), (b, caches_b) = results
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs) and torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b, strict=True))
+
+
+@needs_huge_pages
+@settings(max_examples=examples(10), deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 700), min_size=1, max_size=3), min_size=1, max_size=6),
+    dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.int8]), min_size=6, max_size=6),
+)
+def test_huge_page_zeros_are_disjoint_aligned_zeros_of_each_shape(shapes: list[list[int]], dtypes: list) -> None:
+    wanted = [((HUGE_PAGE // 4,), torch.float32)] + [(tuple(s), dtypes[i]) for i, s in enumerate(shapes)]
+    tensors = huge_pages.huge_page_zeros(wanted, "a test")
+    assert tensors is not None
+    windows = []
+    for t, (shape, dtype) in zip(tensors, wanted, strict=True):
+        assert t.shape == shape and t.dtype == dtype and not t.any() and not t.is_inference()
+        windows.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    assert windows[0][0] % HUGE_PAGE == 0 and all(start % 64 == 0 for start, _ in windows)
+    windows.sort()
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(windows))
+    assert huge_pages.huge_page_zeros([((16,), torch.float32)], "a test") is None  # under a huge page

@@ -29,8 +29,9 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         f"attn bench - torch {m['torch']}, transformers {m.get('transformers') or 'not installed'}, "
         f"{m['cpu']} ({m['logical_cpus']} logical CPUs), cache policy {m['cache_policy']}, "
         f"huge pages for tensors {'on' if m.get('huge_pages') else 'off'} (THP_MEM_ALLOC_ENABLE), "
-        f"huge pages for attn's weights {'available' if m.get('attn_huge_pages') else 'not available'} "
-        "(attn.place_in_huge_pages)"
+        f"huge pages for attn's weights, caches and the read probe "
+        f"{'available' if m.get('attn_huge_pages') else 'not available'} "
+        "(attn.place_in_huge_pages, setup_caches, attn.bench.measure.probe_buffer)"
     )
     lines.append(
         f"load average before {_load(m.get('load_average_before'))}, after {_load(m.get('load_average_after'))}"

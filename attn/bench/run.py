@@ -386,7 +386,8 @@ def machine_info() -> dict[str, Any]:
         # PyTorch's switch for transparent huge pages on large tensors: it changes both the
         # decode speed and the measured bandwidth (README, Performance).
         "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0"),
-        # can attn's weights go into one mapping of huge pages (attn.place_in_huge_pages, which the bench calls)?
+        # can attn's weights, its caches and the read probe go into huge pages (attn.place_in_huge_pages,
+        # which the bench calls; setup_caches; attn.bench.measure.probe_buffer)?
         "attn_huge_pages": huge_pages_available(),
     }
     try:
