@@ -395,16 +395,15 @@ class TransformerDecoder(nn.Module):
         """A fresh cache per layer; on the CPU with ``huge_pages``, their buffers in one
         huge-page mapping where there is one (built on the meta device first: never allocated
         twice)."""
-        if not (huge_pages and device.type == "cpu"):
-            return [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]
-        caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device="meta") for a in layers]
-        shapes = [(cache.k_cache.shape, dtype) for cache in caches for _ in range(2)]  # k, v of each layer in turn
-        zeros = huge_page_zeros(shapes, "setup_caches")
-        if zeros is None:
-            return [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]
-        for cache, k, v in zip(caches, zeros[0::2], zeros[1::2], strict=True):
-            cache.k_cache, cache.v_cache = k, v
-        return caches
+        if huge_pages and device.type == "cpu":
+            caches = [a.new_cache(batch_size, max_seq_len, dtype=dtype, device="meta") for a in layers]
+            shapes = [(cache.k_cache.shape, dtype) for cache in caches for _ in range(2)]  # k, v of each layer in turn
+            zeros = huge_page_zeros(shapes, "setup_caches")
+            if zeros is not None:
+                for cache, k, v in zip(caches, zeros[0::2], zeros[1::2], strict=True):
+                    cache.k_cache, cache.v_cache = k, v
+                return caches
+        return [a.new_cache(batch_size, max_seq_len, dtype=dtype, device=device) for a in layers]
 
     def caches_are_setup(self) -> bool:
         """Do the layers have KV-caches?"""
