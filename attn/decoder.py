@@ -680,8 +680,9 @@ class TransformerDecoder(nn.Module):
     def native_layers(self, batch_size: int) -> bool:
         """Does an eager decode step of ``batch_size`` rows run its layers as calls to
         ``attn::decode_layers`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
-        AVX512-BF16 and the kernels build (the first call builds them, ``attn.native``), for a
-        CPU bf16 or fp32 model of the layers it computes (Llama's, with Qwen2's biases, Qwen3's
+        AVX512-BF16, or AVX2 and no AVX-512 (the op's AVX2 build), and the kernels build (the
+        first call builds them, ``attn.native``), for a CPU bf16 or fp32 model of the layers it
+        computes (Llama's, with Qwen2's biases, Qwen3's
         q/k norms, sliding windows; widths of whole vectors), with caches of its dtype, and rows
         its products take (``attn.native.native_product``: up to 32 in bf16 with AMX, 16
         without, 16 in fp32). A layer with a hook or an adapter on one of its modules runs them

@@ -8,10 +8,10 @@ row keeps its own RoPE positions and a mask hides its padding. Everything runs u
 a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
 
-Where the model's decode steps are what ``attn::decode_loop`` computes (a CPU with AVX512-BF16,
-a Llama-style model with no hooks: ``TransformerDecoder.native_loop``), they run in C++, many a
-call (``attn.native_loop``), with the same tokens, log-probabilities and generator draws as the
-Python loop; ``on_tokens`` keeps the Python loop.
+Where the model's decode steps are what ``attn::decode_loop`` computes (a CPU with AVX512-BF16
+or with AVX2 and no AVX-512, a Llama-style model with no hooks: ``TransformerDecoder.native_loop``),
+they run in C++, many a call (``attn.native_loop``), with the same tokens, log-probabilities and
+generator draws as the Python loop; ``on_tokens`` keeps the Python loop.
 
 A model sharded with torch.distributed (FSDP2, tensor parallelism) on a release that cannot
 run it under inference mode (``attn.context.generation_fallback``) runs under

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attn.native import amx_from_rows
+from attn.native import amx_from_rows, avx2_layers
 from attn.native_step import NativeStep, global_hooks
 
 __all__ = ["CHUNK_STEPS", "NativeLoop"]
@@ -135,6 +135,7 @@ class NativeLoop:
             generator,
             first_step,
             last_step,
+            avx2_layers(),
         )
         self.model_steps += ran
         if self.stats is not None:

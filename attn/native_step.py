@@ -3,7 +3,7 @@
 Shapes: b = batch, e = embed dim.
 
 Where ``TransformerDecoder.native_layers`` says a decode step's layers are native (a CPU with
-AVX512-BF16, a model of the layers the op computes), every run of consecutive layers that are
+AVX512-BF16, or AVX2 and no AVX-512, a model of the layers the op computes), every run of consecutive layers that are
 the plain layer the op computes is one call to ``attn::decode_layers``; a layer with a hook or
 an adapter on one of its modules runs its own modules, so the hook fires and the adapter adds
 its part. A run is cut where the plan changes (the windowed layers of a model whose windows
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from attn.kv_cache import KVCache
-from attn.native import amx_from_rows
+from attn.native import amx_from_rows, avx2_layers
 from attn.norm import RMSNorm
 from attn.plan import PassPlan
 
@@ -158,7 +158,7 @@ class NativeStep:
         """``h`` (b, 1, e) through every layer, each run's keys and values written at
         ``plan.slots``; ``rotations``: the plan's and its local part's, contiguous."""
         local = plan.local or plan
-        amx = amx_from_rows()
+        amx, avx2 = amx_from_rows(), avx2_layers()
         last = self.runs[-1]
         for run in self.runs:
             part = local if run.local else plan
@@ -180,5 +180,6 @@ class NativeStep:
                 amx,
                 final_norm,
                 self.final_eps,
+                avx2,
             )
         return h

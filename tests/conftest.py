@@ -43,11 +43,20 @@ needs_avx2 = pytest.mark.skipif(
 )
 needs_native_products = pytest.mark.skipif(
     not (attn.native._has_avx512_bf16() or (attn.native._has_avx2() and not attn.native._has_avx512())),
-    reason="attn's few-row products need a CPU with AVX512-BF16, or AVX2 without AVX-512; this one has neither",
+    reason="attn's few-row products and attn::decode_layers need a CPU with AVX512-BF16, or AVX2 without AVX-512; "
+    "this one has neither",
 )
 needs_avx512 = pytest.mark.skipif(
     not attn.native._has_avx512(), reason="attn::decode_attention needs a CPU with AVX-512; this one has none"
 )
+
+
+def avx2_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on ``attn.native`` sees a CPU with AVX2 and no AVX-512 (AMD before Zen 4, Intel's
+    client cores): the kernels it chooses are the ones such a CPU runs (on this one, which has
+    AVX-512 too, they run as they would there)."""
+    for probe in ("_has_avx512", "_has_avx512_bf16", "_has_amx"):
+        monkeypatch.setattr(attn.native, probe, lambda: False)
 
 
 class OperatorCalls(torch.utils._python_dispatch.TorchDispatchMode):

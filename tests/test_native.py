@@ -37,6 +37,7 @@ from attn.native import (
 
 from .conftest import (
     OperatorCalls,
+    avx2_only,
     examples,
     naive_attention,
     needs_amx,
@@ -584,25 +585,26 @@ def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
 
 
 @needs_avx2
-def test_a_cpu_with_avx2_and_no_avx512_gets_the_avx2_products_only(monkeypatch):
-    for probe in ("_has_avx512", "_has_avx512_bf16", "_has_amx"):
-        monkeypatch.setattr(attn.native, probe, lambda: False)
+def test_a_cpu_with_avx2_and_no_avx512_gets_the_avx2_products_and_layers(monkeypatch):
+    avx2_only(monkeypatch)
     avx2 = torch.ops.attn.avx2_linear.default
     for dtype in (torch.bfloat16, torch.float32):
         assert [native_product(rows, 576, dtype) for rows in (1, AVX2_LINEAR_MAX_ROWS)] == [avx2, avx2]
         assert native_product(AVX2_LINEAR_MAX_ROWS + 1, 576, dtype) is None  # a matrix product
     assert native_product(1, 576, torch.float16) is None
-    assert decode_attention_available() is False and decode_layers_available() is False
+    assert decode_attention_available() is False
+    assert decode_layers_available() is True and attn.native.avx2_layers() is True  # its AVX2 build
 
 
 @needs_avx2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_avx2_cpus_decode_steps_run_attns_products_and_match_an_uncached_pass(monkeypatch, dtype):
-    """Without AVX-512 an eager decode step's linears are attn::avx2_linear calls (the layers
-    as modules: no attn::decode_layers), and its logits those of a pass without the cache."""
-    for probe in ("_has_avx512", "_has_avx512_bf16", "_has_amx"):
-        monkeypatch.setattr(attn.native, probe, lambda: False)
+    """Without AVX-512, in a decode step of layers attn::decode_layers does not compute (heads of
+    8 dims: its heads are a multiple of 16) every linear is an attn::avx2_linear call, and its
+    logits are those of a pass without the cache."""
+    avx2_only(monkeypatch)
     model = tiny_model(2).to(dtype)
+    assert model.config.head_dim % 16 != 0
     tokens = torch.randint(0, 61, (3, 6), generator=torch.Generator().manual_seed(0))
     model.setup_caches(3, 6)
     with attn.cached_inference(model):
@@ -717,7 +719,7 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     batch=st.sampled_from([1, 2, 3, 5, 8, 9, 16]),  # bf16 from 5: AMX, q/k/v and gate/up in one call each
     num_layers=st.integers(1, 3),
     kv_heads=st.integers(1, 2),
-    group=st.integers(1, 3),
+    group=st.integers(1, 10),  # past 8: the AVX2 attention takes a group in parts
     head_dim=st.sampled_from([16, 32, 48, 64]),  # 48: half a head is not whole vectors
     embed_dim=st.sampled_from([32, 48, 64]),
     hidden_dim=st.sampled_from([32, 48, 96]),
@@ -729,21 +731,24 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     qk_norm=st.booleans(),
     final_norm=st.booleans(),
     threads=st.sampled_from([1, 2]),
+    avx2=st.booleans(),  # the AVX2 build (attn::avx2_linear, avx2_layers.cpp), as on a CPU without AVX-512
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=examples(60), deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     dtype, batch, num_layers, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row,
-    biases, qk_norm, final_norm, threads, seed,
+    biases, qk_norm, final_norm, threads, avx2, seed,
 ):  # fmt: skip
     """The layers' output is the float64 layers' in turn, each rounded where eager rounds, within
     the products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way),
     and then, with ``final_norm``, the model's final RMSNorm of it (an eps of its own); each
     layer's cache gets its key and value for this token at the slot, and every other slot is
-    unchanged bit for bit."""
+    unchanged bit for bit. Both builds: AVX-512 and AVX2."""
     kind, heads = _DTYPES[dtype], kv_heads * group
     widths = (embed_dim, heads * head_dim, hidden_dim)
-    if any(attn.native.native_product(batch, width, kind) is None for width in widths):
+    if avx2 and batch > AVX2_LINEAR_MAX_ROWS:
+        return  # rows attn::avx2_linear does not take: the decoder never asks
+    if not avx2 and any(attn.native.native_product(batch, width, kind) is None for width in widths):
         return  # rows this CPU's products of these widths do not take: the decoder never asks (test_native_step.py)
     layers = [
         _layer_inputs(batch, embed_dim, heads, kv_heads, head_dim, hidden_dim, length, kind, biases, seed + i, qk_norm)
@@ -772,7 +777,7 @@ def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     torch.set_num_threads(threads)
     got = torch.ops.attn.decode_layers(
         x, [w for layer in layers for w in layer[1]], [b for layer in layers for b in layer[2]], k_caches, v_caches,
-        torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(), norm_weight, 1e-6,
+        torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(), norm_weight, 1e-6, avx2,
     )  # fmt: skip
     assert got.shape == x.shape and got.dtype == kind
     # bf16: a sum of another order can round an intermediate the other way, and that half step
@@ -916,12 +921,16 @@ def _opcheck_cases():
         pytest.param("avx2_linear", lambda: (bf16(17, 40).float()[:5], bf16(9, 40).float(), None), marks=needs_avx2),
     ]
 
-    def layers():
+    def layers(avx2=False):
         call = _layer_call()
         names = ("x", "weights", "biases", "k_caches", "v_caches", "slots", "mask", "rotation", "eps", "scale")
-        return (*(call[name] for name in names), call["amx_from_rows"])
+        return (*(call[name] for name in names), call["amx_from_rows"], None, 0.0, avx2)
 
-    return [*cases, pytest.param("decode_layers", layers, marks=needs_bf16_matvec)]
+    return [
+        *cases,
+        pytest.param("decode_layers", layers, marks=needs_bf16_matvec),
+        pytest.param("decode_layers", lambda: layers(avx2=True), marks=needs_avx2),
+    ]
 
 
 @pytest.mark.parametrize(("name", "arguments"), _opcheck_cases())

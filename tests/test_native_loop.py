@@ -16,9 +16,9 @@ import attn
 from attn import TransformerDecoder
 from attn.native_loop import CHUNK_STEPS, NativeLoop
 
-from .conftest import GEMMA_OPTIONS, examples, needs_bf16_matvec, tiny_model
+from .conftest import GEMMA_OPTIONS, avx2_only, examples, needs_native_products, tiny_model
 
-pytestmark = needs_bf16_matvec
+pytestmark = needs_native_products  # attn::decode_loop runs its AVX-512 build or its AVX2 one
 
 _FAMILIES = {
     "llama": {},
@@ -73,6 +73,7 @@ def _assert_same(got: attn.GenerationOutput, expected: attn.GenerationOutput) ->
     stops=st.lists(st.integers(0, 60), max_size=3),
     return_logits=st.booleans(),
     own_caches=st.booleans(),
+    avx2=st.booleans(),  # as on a CPU with AVX2 and no AVX-512: the ops' AVX2 build on both sides
     seed=st.integers(0, 2**16),
 )
 def test_the_loop_generates_what_the_python_loop_does(
@@ -85,46 +86,50 @@ def test_the_loop_generates_what_the_python_loop_does(
     stops: list[int],
     return_logits: bool,
     own_caches: bool,
+    avx2: bool,
     seed: int,
 ) -> None:
     """Same tokens, masks, log-probabilities and logits as the Python loop, the same draws from the
     generator, and, in the caller's caches, the same keys, values and fill after; the op ran every
     model pass of the generation, in calls of at most CHUNK_STEPS."""
-    model = _model(dtype, family)
-    prompts = [[(seed + 7 * i + j) % 61 for j in range(n)] for i, n in enumerate(lengths)]
-    temperature, top_k = sampling
-    options = dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_tokens=stops,
-        return_logits=return_logits, num_samples=num_samples,
-    )  # fmt: skip
-    rows = len(prompts) * num_samples
-    outputs, caches = [], []
-    for python in (False, True):
-        if not own_caches:
-            model.setup_caches(rows, max(lengths) + max_new_tokens)
-        with pytest.MonkeyPatch.context() as patch:
-            calls = _loop_calls(patch)
-            generator = torch.Generator().manual_seed(seed)
-            run = _in_python if python else attn.generate
-            outputs.append(run(model, prompts, generator=generator, **options))
-        after = torch.rand(1, generator=generator)  # the generator's state: the same draws taken
-        if not own_caches:
-            state = model.cache_state
-            caches.append([int(state.fill), *(t.clone() for c in state.caches for t in (c.k_cache, c.v_cache))])
-            model.teardown_caches()
-        caches.append(after)
-        if python:
-            assert calls == []
-        else:
-            passes = int(outputs[0].generated_mask.sum(1).max()) - 1  # every row stops by its last token
-            assert sum(calls) == passes and all(ran <= CHUNK_STEPS for ran in calls), calls
-    _assert_same(*outputs)
-    half = len(caches) // 2
-    for got, expected in zip(caches[:half], caches[half:], strict=True):
-        if isinstance(got, list):
-            assert got[0] == expected[0] and all(map(torch.equal, got[1:], expected[1:]))
-        else:
-            assert torch.equal(got, expected)
+    with pytest.MonkeyPatch.context() as cpu:
+        if avx2:
+            avx2_only(cpu)
+        model = _model(dtype, family)
+        prompts = [[(seed + 7 * i + j) % 61 for j in range(n)] for i, n in enumerate(lengths)]
+        temperature, top_k = sampling
+        options = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_tokens=stops,
+            return_logits=return_logits, num_samples=num_samples,
+        )  # fmt: skip
+        rows = len(prompts) * num_samples
+        outputs, caches = [], []
+        for python in (False, True):
+            if not own_caches:
+                model.setup_caches(rows, max(lengths) + max_new_tokens)
+            with pytest.MonkeyPatch.context() as patch:
+                calls = _loop_calls(patch)
+                generator = torch.Generator().manual_seed(seed)
+                run = _in_python if python else attn.generate
+                outputs.append(run(model, prompts, generator=generator, **options))
+            after = torch.rand(1, generator=generator)  # the generator's state: the same draws taken
+            if not own_caches:
+                state = model.cache_state
+                caches.append([int(state.fill), *(t.clone() for c in state.caches for t in (c.k_cache, c.v_cache))])
+                model.teardown_caches()
+            caches.append(after)
+            if python:
+                assert calls == []
+            else:
+                passes = int(outputs[0].generated_mask.sum(1).max()) - 1  # every row stops by its last token
+                assert sum(calls) == passes and all(ran <= CHUNK_STEPS for ran in calls), calls
+        _assert_same(*outputs)
+        half = len(caches) // 2
+        for got, expected in zip(caches[:half], caches[half:], strict=True):
+            if isinstance(got, list):
+                assert got[0] == expected[0] and all(map(torch.equal, got[1:], expected[1:]))
+            else:
+                assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

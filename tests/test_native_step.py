@@ -21,7 +21,15 @@ from attn import TransformerDecoder
 from attn.native import native_product
 from attn.packed import Linear
 
-from .conftest import GEMMA_OPTIONS, OperatorCalls, examples, needs_bf16_matvec, tiny_model
+from .conftest import (
+    GEMMA_OPTIONS,
+    OperatorCalls,
+    avx2_only,
+    examples,
+    needs_bf16_matvec,
+    needs_native_products,
+    tiny_model,
+)
 
 
 def _native_model(dtype: torch.dtype, **overrides: object) -> TransformerDecoder:
@@ -31,12 +39,14 @@ def _native_model(dtype: torch.dtype, **overrides: object) -> TransformerDecoder
 
 
 def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The layers each ``attn::decode_layers`` call computes: one element a call."""
+    """The layers each ``attn::decode_layers`` call computes: one element a call. Each call's
+    build is the one ``attn.native`` says this CPU runs."""
     calls: list[int] = []
     op = torch.ops.attn.decode_layers
 
     def counted(*args: object) -> torch.Tensor:
         calls.append(len(args[3]))  # k_caches: one a layer
+        assert args[13] is attn.native.avx2_layers()  # avx2: the AVX2 build
         return op(*args)
 
     monkeypatch.setattr(torch.ops.attn, "decode_layers", counted)
@@ -67,10 +77,15 @@ _FAMILIES = {
 }
 
 
-def _native_cases() -> list[tuple[torch.dtype, int, str]]:
+def _native_cases() -> list[tuple[torch.dtype, int, str, bool]]:
+    """(dtype, rows, family, avx2): every family at these rows, in the AVX-512 build and, as a
+    CPU without AVX-512 runs it, the AVX2 one."""
     cases = [(torch.float32, 1), (torch.float32, 3), (torch.float32, 16)]
     cases += [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 8), (torch.bfloat16, 16)]
-    return [(dtype, batch, family) for dtype, batch in cases for family in _FAMILIES]
+    avx2 = [(torch.float32, 2), (torch.bfloat16, 1), (torch.bfloat16, 16)]
+    return [(dtype, batch, family, False) for dtype, batch in cases for family in _FAMILIES] + [
+        (dtype, batch, family, True) for dtype, batch in avx2 for family in _FAMILIES
+    ]
 
 
 def _assert_near_stock(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -81,15 +96,18 @@ def _assert_near_stock(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance * scale)
 
 
-@needs_bf16_matvec
-@pytest.mark.parametrize(("dtype", "batch", "family"), _native_cases())
+@needs_native_products
+@pytest.mark.parametrize(("dtype", "batch", "family", "avx2"), _native_cases())
 def test_eager_decode_steps_run_their_layers_in_one_call_and_equal_the_stock_kernels(
-    dtype: torch.dtype, batch: int, family: str, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, batch: int, family: str, avx2: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the CPU runs attn::decode_layers, an eager decode step's layers are one call (one a
     run of layers that take the same plan); the logits and the cache equal the stock kernels'.
     Llama's layer and the options of Qwen2 (biases, windows on some layers), Qwen3 (q and k
-    norms) and Mistral (a sliding window, here shorter than the generation)."""
+    norms) and Mistral (a sliding window, here shorter than the generation). ``avx2``: as on a
+    CPU with AVX2 and no AVX-512, the op's AVX2 build against the layers as modules there."""
+    if avx2:
+        avx2_only(monkeypatch)
     options, runs = _FAMILIES[family]
     model = _native_model(dtype, num_layers=3, **options)
     if options.get("qkv_bias"):  # tiny_model leaves biases at their init: make them count
@@ -140,7 +158,7 @@ def _pre_hooked_layer(model: TransformerDecoder, seen: list[str]) -> None:
     model.layers[2].register_forward_pre_hook(lambda module, args: seen.append("layer"))
 
 
-@needs_bf16_matvec
+@needs_native_products
 @pytest.mark.parametrize(
     ("change", "expected", "runs"),
     [
@@ -171,7 +189,7 @@ def test_a_layer_with_hooks_or_another_projection_runs_its_modules(
     torch.testing.assert_close(native, stock, rtol=1e-4, atol=1e-4)
 
 
-@needs_bf16_matvec
+@needs_native_products
 @pytest.mark.parametrize("change", ["none", "hooked norm", "hooked last layer", "offset norm"])
 def test_the_final_norm_runs_in_the_last_call_where_it_is_the_plain_one(
     change: str, monkeypatch: pytest.MonkeyPatch
@@ -208,7 +226,7 @@ def test_the_final_norm_runs_in_the_last_call_where_it_is_the_plain_one(
         assert len(seen) == 2 * 5  # the prompt and 4 steps, in each run
 
 
-@needs_bf16_matvec
+@needs_native_products
 def test_a_global_forward_hook_fires_for_every_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook registered for every module (``register_module_forward_hook``: a profiler's, a
     tracker's) sees the same module calls in a decode step as on the stock kernels: the step runs
@@ -234,7 +252,7 @@ def test_a_global_forward_hook_fires_for_every_module(monkeypatch: pytest.Monkey
     assert calls == [2] * 3
 
 
-@needs_bf16_matvec
+@needs_native_products
 def test_teardown_lets_the_caches_go() -> None:
     """The step built for a model's caches holds them no longer than the model: torn down, they
     are freed."""
@@ -381,7 +399,7 @@ class NativeStepMachine(RuleBasedStateMachine):
         assert self.native.cache_state.size == self.stock.cache_state.size
 
 
-@needs_bf16_matvec
+@needs_native_products
 def test_native_step_follows_every_change_between_steps() -> None:
     machine = NativeStepMachine.TestCase
     # Sequences of 16 calls, 60 of them at least (a second on two cores): fewer missed a rebuild.
@@ -395,7 +413,7 @@ _NOT_NATIVE_LAYERS = {
 }
 
 
-@needs_bf16_matvec
+@needs_native_products
 @pytest.mark.parametrize(
     ("build", "batch", "expected"),
     [
@@ -415,7 +433,7 @@ def test_layers_it_does_not_compute_run_as_modules(build, batch: int, expected: 
     assert got == expected or (expected == "onednn" and got == "default")  # onednn: AMD CPUs only
 
 
-@needs_bf16_matvec
+@needs_bf16_matvec  # it counts attn::fp32_linear and attn::bf16_matvec calls
 @pytest.mark.parametrize("name", sorted(_NOT_NATIVE_LAYERS))
 def test_layers_run_as_modules_on_attns_products_match_an_uncached_pass(name: str) -> None:
     """Those layers' decode steps call attn::fp32_linear for every linear and never
@@ -435,7 +453,7 @@ def test_layers_run_as_modules_on_attns_products_match_an_uncached_pass(name: st
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=2e-5, rtol=2e-5)
 
 
-@needs_bf16_matvec
+@needs_native_products
 def test_native_layers_need_a_cache_of_the_models_dtype_and_leave_other_choices_alone() -> None:
     model = _native_model(torch.float32)
     assert not model.native_layers(2)  # no caches yet
@@ -453,7 +471,7 @@ def test_native_layers_need_a_cache_of_the_models_dtype_and_leave_other_choices_
     assert all(native_product(2, width, torch.float32) is not None for width in (32, 64))
 
 
-@needs_bf16_matvec
+@needs_native_products
 @pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))])
 def test_a_copy_decodes_with_its_own_weights(copy_of, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deep copy or a pickle of a model that has run native steps computes with its own

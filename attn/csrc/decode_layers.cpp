@@ -22,8 +22,12 @@
 // place: as a module after the call it was 7 torch ops, 0.2 ms of a 10-12 ms step at batch 1
 // (SmolLM2-135M shape, bf16, Zen 4), each op's objects cold after the weights streamed by.
 //
+// With avx2 (a CPU with AVX2 and no AVX-512, as attn/native.py tells it) the products are
+// attn::avx2_linear's and the work between them, attention included, is avx2_layers.cpp's: the
+// same steps and roundings with 8 fp32 lanes (Steps below picks one set of the two).
+//
 // Every input of every layer is checked before any cache is written: a call that raises leaves
-// the caches as they were. Built on first use by attn/native.py, which checks the CPU has AVX512-BF16.
+// the caches as they were. Built on first use by attn/native.py, which checks the CPU.
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
@@ -153,24 +157,40 @@ void write_slot(const T* rows, const at::Tensor& cache, int64_t slot) {
                   rows + (m * heads + h) * d, d * sizeof(T));
 }
 
-enum class Product { kFp32, kMatvec, kAmx };
+// Which kernels a call takes (attn/native.py chooses): AMX products from `amx_from_rows` rows (0:
+// none); `avx2`: attn::avx2_linear's products and the AVX2 work between them (avx2_layers.cpp),
+// for a CPU without AVX-512.
+struct Kernels {
+  int64_t amx_from_rows;
+  bool avx2;
+};
 
-// The product a linear of `rows` rows and `features` input features takes (attn/native.py's
-// choice: AMX from `amx_from_rows` rows, 0 for none, where the features are a multiple of 32).
-Product product_for(at::ScalarType dtype, int64_t rows, int64_t features, int64_t amx_from_rows) {
+enum class Product { kFp32, kMatvec, kAmx, kAvx2 };
+
+// The product a linear of `rows` rows and `features` input features takes (AMX where the
+// features are a multiple of 32).
+Product product_for(at::ScalarType dtype, int64_t rows, int64_t features, Kernels kernels) {
+  if (kernels.avx2) return Product::kAvx2;
   if (dtype == at::kFloat) return Product::kFp32;
-  return amx_from_rows > 0 && rows >= amx_from_rows && features % 32 == 0 ? Product::kAmx : Product::kMatvec;
+  const int64_t amx = kernels.amx_from_rows;
+  return amx > 0 && rows >= amx && features % 32 == 0 ? Product::kAmx : Product::kMatvec;
 }
 
 // The products of x by each weight, with the kernel product_for chooses, in one call (one
-// parallel region, each thread's blocks running from one weight into the next).
+// parallel region, each thread's blocks running from one weight into the next; attn::avx2_linear
+// has no group: one region a weight).
 std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights,
-                                 std::vector<c10::optional<at::Tensor>> biases, int64_t amx_from_rows) {
-  switch (product_for(x.scalar_type(), x.size(0), x.size(1), amx_from_rows)) {
+                                 std::vector<c10::optional<at::Tensor>> biases, Kernels kernels) {
+  switch (product_for(x.scalar_type(), x.size(0), x.size(1), kernels)) {
     case Product::kFp32:
       return attn::fp32_linear_group(x, weights, biases);
     case Product::kAmx:
       return attn::amx_linear_group(x, weights, biases);
+    case Product::kAvx2: {
+      std::vector<at::Tensor> out;
+      for (size_t i = 0; i < weights.size(); ++i) out.push_back(attn::avx2_linear(x, weights[i], biases[i]));
+      return out;
+    }
     default:
       return attn::bf16_matvec_group(x, weights, biases);
   }
@@ -178,9 +198,30 @@ std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> we
 
 // x by one weight: a group of one, as the single products are.
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                   int64_t amx_from_rows) {
-  return products(x, {weight}, {bias}, amx_from_rows)[0];
+                   Kernels kernels) {
+  return products(x, {weight}, {bias}, kernels)[0];
 }
+
+// The work between the products, in the instruction set of `kernels`: the AVX-512 functions above
+// or their AVX2 versions.
+template <typename T>
+struct Steps {
+  void (*rms_norm)(const T*, const T*, T*, int64_t, int64_t, float);
+  void (*rotate)(T*, int64_t, int64_t, int64_t, const float*, const float*, int64_t);
+  void (*add)(const T*, const T*, T*, int64_t);
+  void (*swiglu)(T*, const T*, int64_t);
+  at::Tensor (*attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+
+  static Steps of(Kernels kernels) {
+    if (kernels.avx2)
+      return {attn::avx2::rms_norm<T>, attn::avx2::rotate<T>, attn::avx2::add<T>, attn::avx2::swiglu<T>,
+              attn::avx2::attention};
+    return {::rms_norm<T>, ::rotate<T>, ::add<T>, ::swiglu<T>,
+            [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale) {
+              return attn::decode_attention(q, k, v, mask, scale);
+            }};
+  }
+};
 
 const char* kWeightNames[] = {"attn_norm", "q_proj",  "k_proj", "v_proj", "o_proj", "mlp_norm",
                               "gate_proj", "up_proj", "down_proj", "q_norm", "k_norm"};
@@ -195,7 +236,8 @@ struct Layer {
 
 template <typename T>
 at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, const at::Tensor& allowed,
-                     const at::Tensor& rotation, float eps, double scale, int64_t amx_from_rows) {
+                     const at::Tensor& rotation, float eps, double scale, Kernels kernels) {
+  const Steps<T> steps = Steps<T>::of(kernels);
   const at::TensorList w = layer.w;
   const at::Tensor &k_cache = layer.k_cache, &v_cache = layer.v_cache;
   const int64_t M = x.size(0), e = x.size(2), d = k_cache.size(3), kv_heads = k_cache.size(1);
@@ -203,33 +245,33 @@ at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, cons
   const auto options = x.options();
   const at::Tensor h0 = x.contiguous();  // (M, 1, e)
   at::Tensor normed = at::empty({M, e}, options);
-  rms_norm<T>(h0.data_ptr<T>(), w[0].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
-  const auto qkv = products(normed, {w[1], w[2], w[3]}, {layer.bias[0], layer.bias[1], layer.bias[2]}, amx_from_rows);
+  steps.rms_norm(h0.data_ptr<T>(), w[0].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
+  const auto qkv = products(normed, {w[1], w[2], w[3]}, {layer.bias[0], layer.bias[1], layer.bias[2]}, kernels);
   const at::Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];  // (M, h * d), (M, h_kv * d), (M, h_kv * d)
   if (w.size() == 11) {  // each head's RMSNorm, before RoPE
-    rms_norm<T>(q.data_ptr<T>(), w[9].data_ptr<T>(), q.data_ptr<T>(), M * heads, d, eps);
-    rms_norm<T>(k.data_ptr<T>(), w[10].data_ptr<T>(), k.data_ptr<T>(), M * kv_heads, d, eps);
+    steps.rms_norm(q.data_ptr<T>(), w[9].data_ptr<T>(), q.data_ptr<T>(), M * heads, d, eps);
+    steps.rms_norm(k.data_ptr<T>(), w[10].data_ptr<T>(), k.data_ptr<T>(), M * kv_heads, d, eps);
   }
   const float* cos = rotation.data_ptr<float>();
   const int64_t row_step = rotation.numel() == 2 * d ? 0 : d;
   const float* sin = cos + rotation.numel() / 2;
-  rotate<T>(q.data_ptr<T>(), M, heads, d, cos, sin, row_step);
-  rotate<T>(k.data_ptr<T>(), M, kv_heads, d, cos, sin, row_step);
+  steps.rotate(q.data_ptr<T>(), M, heads, d, cos, sin, row_step);
+  steps.rotate(k.data_ptr<T>(), M, kv_heads, d, cos, sin, row_step);
   write_slot<T>(k.data_ptr<T>(), k_cache, slot);
   write_slot<T>(v.data_ptr<T>(), v_cache, slot);
   const int64_t span = allowed.size(-1);
-  const at::Tensor attended = attn::decode_attention(q.view({M, heads, 1, d}), k_cache.narrow(2, 0, span),
-                                                     v_cache.narrow(2, 0, span), allowed, scale);  // (M, h, 1, d)
-  const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], layer.bias[3], amx_from_rows);  // (M, e)
+  const at::Tensor attended = steps.attention(q.view({M, heads, 1, d}), k_cache.narrow(2, 0, span),
+                                              v_cache.narrow(2, 0, span), allowed, scale);  // (M, h, 1, d)
+  const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], layer.bias[3], kernels);  // (M, e)
   at::Tensor h1 = at::empty({M, e}, options);
-  add<T>(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
-  rms_norm<T>(h1.data_ptr<T>(), w[5].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
-  const auto mlp = products(normed, {w[6], w[7]}, {c10::nullopt, c10::nullopt}, amx_from_rows);
+  steps.add(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
+  steps.rms_norm(h1.data_ptr<T>(), w[5].data_ptr<T>(), normed.data_ptr<T>(), M, e, eps);
+  const auto mlp = products(normed, {w[6], w[7]}, {c10::nullopt, c10::nullopt}, kernels);
   const at::Tensor &gate = mlp[0], &up = mlp[1];  // each (M, hidden)
-  swiglu<T>(gate.data_ptr<T>(), up.data_ptr<T>(), M * hidden);
-  const at::Tensor down = product(gate, w[8], c10::nullopt, amx_from_rows);  // (M, e)
+  steps.swiglu(gate.data_ptr<T>(), up.data_ptr<T>(), M * hidden);
+  const at::Tensor down = product(gate, w[8], c10::nullopt, kernels);  // (M, e)
   at::Tensor out = at::empty({M, 1, e}, options);
-  add<T>(h1.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), M * e);
+  steps.add(h1.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), M * e);
   return out;
 }
 
@@ -237,7 +279,7 @@ at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, cons
 // caches (every layer's are one shape), and returns them as a Layer.
 Layer check_layer(size_t index, const at::Tensor& x, at::TensorList weights, const c10::optional<at::Tensor>* biases,
                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& first_cache,
-                  int64_t amx_from_rows) {
+                  Kernels kernels) {
   const auto dtype = x.scalar_type();
   const int64_t M = x.size(0), e = x.size(2);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == M,
@@ -287,10 +329,11 @@ Layer check_layer(size_t index, const at::Tensor& x, at::TensorList weights, con
   }
   const int64_t features[] = {e, qd, hidden};
   for (const int64_t k : features) {
-    const Product kind = product_for(dtype, M, k, amx_from_rows);
-    const int64_t most = kind == Product::kFp32  ? attn::kFp32LinearMaxRows
-                         : kind == Product::kAmx ? attn::kAmxLinearMaxRows
-                                                 : attn::kBf16MatvecMaxRows;
+    const Product kind = product_for(dtype, M, k, kernels);
+    const int64_t most = kind == Product::kFp32   ? attn::kFp32LinearMaxRows
+                         : kind == Product::kAmx  ? attn::kAmxLinearMaxRows
+                         : kind == Product::kAvx2 ? attn::kAvx2LinearMaxRows
+                                                  : attn::kBf16MatvecMaxRows;
     TORCH_CHECK(M <= most, "attn::decode_layers: ", M, " rows are more than its ", dtype, " products of ", k,
                 " features take (", most, "); F.linear is the product for more");
   }
@@ -301,15 +344,20 @@ Layer check_layer(size_t index, const at::Tensor& x, at::TensorList weights, con
 
 namespace attn {
 
-at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows) {
-  return product(x, weight, c10::nullopt, amx_from_rows);
+at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows, bool avx2) {
+  return product(x, weight, c10::nullopt, Kernels{amx_from_rows, avx2});
 }
 
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
-                         int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps) {
-  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::decode_layers needs a CPU with AVX512-BF16");
+                         int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps,
+                         bool avx2) {
+  TORCH_CHECK(avx2 || __builtin_cpu_supports("avx512bf16"), "attn::decode_layers needs a CPU with AVX512-BF16 "
+              "(avx2=True runs its AVX2 build)");
+  TORCH_CHECK(!avx2 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
+              "attn::decode_layers with avx2=True needs a CPU with AVX2 and FMA");
+  const Kernels kernels{amx_from_rows, avx2};
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "attn::decode_layers takes fp32 or bf16, got x ", dtype);
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) > 0 && x.device().is_cpu(),
@@ -336,7 +384,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
   layers.reserve(count);
   for (size_t i = 0; i < count; ++i)
     layers.push_back(check_layer(i, x, weights.slice(i * per_layer, per_layer), bias_values.data() + 4 * i,
-                                 k_caches[i], v_caches[i], k_caches[0], amx_from_rows));
+                                 k_caches[i], v_caches[i], k_caches[0], kernels));
   TORCH_CHECK(slots.numel() == 1 && slots.scalar_type() == at::kLong && slots.device().is_cpu(),
               "attn::decode_layers: slots must be the one cache slot this token writes, a CPU long tensor, got ",
               slots.sizes(), " ", slots.scalar_type());
@@ -365,16 +413,17 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
   at::Tensor h = x;
   for (const Layer& layer : layers) {
     h = dtype == at::kFloat
-            ? run_layer<float>(h, layer, slot, allowed, rotation, epsilon, scale, amx_from_rows)
-            : run_layer<c10::BFloat16>(h, layer, slot, allowed, rotation, epsilon, scale, amx_from_rows);
+            ? run_layer<float>(h, layer, slot, allowed, rotation, epsilon, scale, kernels)
+            : run_layer<c10::BFloat16>(h, layer, slot, allowed, rotation, epsilon, scale, kernels);
   }
   if (final_norm.has_value()) {  // in place: h is the last layer's own output
     const float final_epsilon = static_cast<float>(final_eps);
     if (dtype == at::kFloat)
-      rms_norm<float>(h.data_ptr<float>(), final_norm->data_ptr<float>(), h.data_ptr<float>(), M, e, final_epsilon);
+      Steps<float>::of(kernels).rms_norm(h.data_ptr<float>(), final_norm->data_ptr<float>(), h.data_ptr<float>(), M, e,
+                                         final_epsilon);
     else
-      rms_norm<c10::BFloat16>(h.data_ptr<c10::BFloat16>(), final_norm->data_ptr<c10::BFloat16>(),
-                              h.data_ptr<c10::BFloat16>(), M, e, final_epsilon);
+      Steps<c10::BFloat16>::of(kernels).rms_norm(h.data_ptr<c10::BFloat16>(), final_norm->data_ptr<c10::BFloat16>(),
+                                                 h.data_ptr<c10::BFloat16>(), M, e, final_epsilon);
   }
   return h;
 }

@@ -72,7 +72,8 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
                     const at::Tensor& done, const at::Tensor& new_tokens, const at::Tensor& new_mask,
                     const at::Tensor& logprobs, const c10::optional<at::Tensor>& all_logits,
                     const at::Tensor& stop_ids, int64_t pad_id, double temperature, int64_t top_k,
-                    const c10::optional<at::Generator>& generator, int64_t first_step, int64_t last_step) {
+                    const c10::optional<at::Generator>& generator, int64_t first_step, int64_t last_step,
+                    bool avx2) {
   const auto dtype = embedding.scalar_type();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == dtype && logits.is_contiguous() && logits.device().is_cpu(),
               "attn::decode_loop: logits must be a contiguous (b, v) CPU tensor of the embedding's dtype ", dtype,
@@ -178,8 +179,8 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
                   static_cast<const char*>(embedding.data_ptr()) + next[r] * row_bytes, row_bytes);
     }
     const at::Tensor h = decode_layers(x, weights, biases, k_caches, v_caches, slot, mask, rotation, eps, scale,
-                                       amx_from_rows, final_norm, final_eps);  // (b, 1, e), normed
-    current = layer_product(h.view({b, e}), head, amx_from_rows);  // (b, v)
+                                       amx_from_rows, final_norm, final_eps, avx2);  // (b, 1, e), normed
+    current = layer_product(h.view({b, e}), head, amx_from_rows, avx2);  // (b, v)
     fill.add_(1);
     for (int64_t r = 0; r < b; ++r) pos[r] += 1;
   }

@@ -50,14 +50,33 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale, bool widen = false);
 
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
-// it computes and checks); attn::decode_loop calls it every step.
+// it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
+// products and the AVX2 code below, for a CPU without AVX-512.
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
-                         int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps);
+                         int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps,
+                         bool avx2);
 
 // x (M, K) by one bias-free weight with the kernel attn::decode_layers picks for its products
 // (decode_layers.cpp); attn::decode_loop's output layer.
-at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows);
+at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows, bool avx2);
+
+// attn::decode_layers' work between its products with AVX2 and FMA (avx2_layers.cpp), T float or
+// c10::BFloat16; decode_layers.cpp has the AVX-512 versions and says what each computes.
+namespace avx2 {
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps);
+template <typename T>
+void rotate(T* x, int64_t M, int64_t heads, int64_t d, const float* cos, const float* sin, int64_t row_step);
+template <typename T>
+void add(const T* a, const T* b, T* out, int64_t count);
+template <typename T>
+void swiglu(T* gate, const T* up, int64_t count);
+// softmax(scale q k^T, masked) v for one query a head: q (b, h, 1, d) contiguous, k and v (b, h_kv,
+// n, d) with contiguous rows, allowed (1 or b, 1, 1, n) bool; (b, h, 1, d).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
+                     double scale);
+}  // namespace avx2
 
 }  // namespace attn
