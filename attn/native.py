@@ -71,7 +71,8 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   step's kernels was 1.1-1.3 ms of a 10-12 ms step (SmolLM2-135M shape, bf16, Zen 4).
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
-input checks) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
+input checks), ``csrc/layer_steps.h`` (the decode layers' norms, RoPE, residuals and SwiGLU, built
+for AVX-512 and for AVX2) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
 name holds the torch release and a hash of the sources' paths and of every source and header
 (``_extension_name``), so an edited header builds anew, and two copies of attn on one torch (a
 checkout and an installed copy, two environments) keep a build each. One name for both had them
@@ -149,7 +150,7 @@ _KERNELS = (
     "few_rows_linear", "amx_linear", "avx2_linear", "decode_attention", "avx2_layers", "decode_layers", "decode_loop"
 )  # fmt: skip
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
-_HEADERS = [_CSRC / "kernels.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
+_HEADERS = [_CSRC / "kernels.h", _CSRC / "layer_steps.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
 
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines

@@ -1,16 +1,12 @@
 // The work of attn::decode_layers between its products, with AVX2 and FMA, for CPUs without
-// AVX-512 (AMD before Zen 4, Intel's client cores): RMSNorm, RoPE, residual sums, SwiGLU and the
+// AVX-512 (AMD before Zen 4, Intel's client cores): RMSNorm, RoPE, residual sums and SwiGLU
+// (layer_steps.h, built here for 8 fp32 lanes; decode_layers.cpp builds it for AVX-512) and the
 // decode attention over the cache. attn::decode_layers takes these (and attn::avx2_linear for its
-// products) when told `avx2`; decode_layers.cpp has the AVX-512 versions.
+// products) when told `avx2`.
 //
 // On such a CPU an eager decode step spent half its time outside its products: about 1,900 small
 // ATen ops and the Python between them, 28 ms of a 58 ms bf16 step at batch 1 (SmolLM2-135M
 // shape, 2 threads, AMD EPYC Zen 1; docs/performance.md). Here they are a few loops a layer.
-//
-// Rounding follows the eager layer as the AVX-512 code does: a norm's fp32 result is rounded to
-// the dtype before it is scaled by the weight, RoPE rotates in fp32 and rounds once, SiLU's output
-// is rounded before it multiplies the up product, a residual sum is rounded once; a bf16 value is
-// rounded to nearest even. Sums are fp32 in this code's own order (8 lanes, then across them).
 //
 // Attention: the query heads that share a kv head (up to 8 at a time) are one task; a task reads
 // each key and value row once for its queries, widened to fp32 8 values a load, skips masked
@@ -41,40 +37,6 @@ constexpr int64_t kLanes = 8;
 constexpr int64_t kQueries = 8;        // a task's queries at most (their sums stay in registers)
 constexpr int64_t kMaxHeadDim = 512;   // a head's fp32 copy lives on the stack
 
-// Eight values of a row as fp32, and back in the row's dtype.
-template <typename T>
-struct Lanes;
-
-template <>
-struct Lanes<float> {
-  ATTN_AVX2 static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
-  ATTN_AVX2 static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-  ATTN_AVX2 static __m256 round(__m256 v) { return v; }
-};
-
-template <>
-struct Lanes<c10::BFloat16> {
-  ATTN_AVX2 static __m256 load(const c10::BFloat16* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-  // Nearest even, as c10::BFloat16 rounds (a NaN becomes 0x7fc0): the 8 values' bits in 32-bit
-  // lanes, each under 2^16.
-  ATTN_AVX2 static __m256i narrow_bits(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  }
-  ATTN_AVX2 static void store(c10::BFloat16* p, __m256 v) {
-    const __m256i bits = narrow_bits(v);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-  }
-  ATTN_AVX2 static __m256 round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bits(v), 16)); }
-};
-
 ATTN_AVX2 inline float sum_lanes(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -101,6 +63,60 @@ ATTN_AVX2 inline __m256 exp_nonpositive(__m256 x) {
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), normal);
 }
+
+// Eight fp32 lanes: what layer_steps.h asks of a vector.
+struct Simd {
+  using Vec = __m256;
+  static constexpr int64_t kWidth = kLanes;
+  ATTN_AVX2 static Vec zero() { return _mm256_setzero_ps(); }
+  ATTN_AVX2 static Vec set1(float v) { return _mm256_set1_ps(v); }
+  ATTN_AVX2 static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  ATTN_AVX2 static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  ATTN_AVX2 static Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  ATTN_AVX2 static Vec div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+  ATTN_AVX2 static float sum(Vec v) { return sum_lanes(v); }
+  ATTN_AVX2 static Vec load_f32(const float* p) { return _mm256_loadu_ps(p); }
+  ATTN_AVX2 static void store_f32(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  ATTN_AVX2 static Vec exp_nonpositive(Vec x) { return ::exp_nonpositive(x); }
+  ATTN_AVX2 static Vec neg_abs(Vec x) { return _mm256_or_ps(x, _mm256_set1_ps(-0.0f)); }
+  ATTN_AVX2 static Vec if_negative(Vec x, Vec a, Vec b) {
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+  }
+};
+
+// Eight values of a row as fp32, and back in the row's dtype.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> : Simd {
+  ATTN_AVX2 static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  ATTN_AVX2 static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  ATTN_AVX2 static __m256 round(__m256 v) { return v; }
+};
+
+template <>
+struct Lanes<c10::BFloat16> : Simd {
+  ATTN_AVX2 static __m256 load(const c10::BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  // Nearest even, as c10::BFloat16 rounds (a NaN becomes 0x7fc0): the 8 values' bits in 32-bit
+  // lanes, each under 2^16.
+  ATTN_AVX2 static __m256i narrow_bits(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  }
+  ATTN_AVX2 static void store(c10::BFloat16* p, __m256 v) {
+    const __m256i bits = narrow_bits(v);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  ATTN_AVX2 static __m256 round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bits(v), 16)); }
+};
 
 // The queries [h0, h0 + G) of row m (G <= kQueries) over their kv head's keys and values.
 template <typename T>
@@ -166,64 +182,9 @@ ATTN_AVX2 void attend(const T* q, const T* keys, const T* values, int64_t slot_s
   }
 }
 
-template <typename T>
-ATTN_AVX2 void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps) {
-  using V = Lanes<T>;
-  for (int64_t m = 0; m < M; ++m) {
-    const T* row = x + m * e;
-    __m256 squares = _mm256_setzero_ps();
-    for (int64_t i = 0; i < e; i += kLanes) {
-      const __m256 v = V::load(row + i);
-      squares = _mm256_fmadd_ps(v, v, squares);
-    }
-    const float mean = sum_lanes(squares) / static_cast<float>(e);
-    const __m256 factor = _mm256_set1_ps(1.0f / std::sqrt(mean + eps));
-    for (int64_t i = 0; i < e; i += kLanes) {
-      const __m256 normed = V::round(_mm256_mul_ps(V::load(row + i), factor));
-      V::store(out + m * e + i, _mm256_mul_ps(V::load(weight + i), normed));
-    }
-  }
-}
-
-// Heads of a multiple of 16 dims (attn::decode_layers checks): half a head is whole vectors.
-template <typename T>
-ATTN_AVX2 void rotate(T* x, int64_t M, int64_t heads, int64_t d, const float* cos, const float* sin,
-                      int64_t row_step) {
-  using V = Lanes<T>;
-  const int64_t half = d / 2;
-  alignas(32) float wide[kMaxHeadDim];
-  for (int64_t m = 0; m < M; ++m) {
-    const float *c = cos + m * row_step, *s = sin + m * row_step;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* head = x + (m * heads + h) * d;
-      for (int64_t i = 0; i < d; i += kLanes) _mm256_store_ps(wide + i, V::load(head + i));
-      for (int64_t i = 0; i < d; i += kLanes) {
-        const __m256 rolled = _mm256_load_ps(wide + (i + half) % d);
-        const __m256 straight = _mm256_mul_ps(_mm256_load_ps(wide + i), _mm256_loadu_ps(c + i));
-        V::store(head + i, _mm256_add_ps(straight, _mm256_mul_ps(rolled, _mm256_loadu_ps(s + i))));
-      }
-    }
-  }
-}
-
-template <typename T>
-ATTN_AVX2 void add(const T* a, const T* b, T* out, int64_t count) {
-  using V = Lanes<T>;
-  for (int64_t i = 0; i < count; i += kLanes) V::store(out + i, _mm256_add_ps(V::load(a + i), V::load(b + i)));
-}
-
-template <typename T>
-ATTN_AVX2 void swiglu(T* gate, const T* up, int64_t count) {
-  using V = Lanes<T>;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const __m256 g = V::load(gate + i);
-    const __m256 small = exp_nonpositive(_mm256_or_ps(g, sign));  // exp(-|g|)
-    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, small, negative), _mm256_add_ps(one, small));
-    V::store(gate + i, _mm256_mul_ps(V::round(_mm256_mul_ps(g, sigmoid)), V::load(up + i)));
-  }
-}
+#define ATTN_STEPS ATTN_AVX2
+#include "layer_steps.h"  // rms_norm, rotate, add, swiglu
+#undef ATTN_STEPS
 
 }  // namespace
 

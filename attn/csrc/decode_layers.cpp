@@ -12,11 +12,9 @@
 // dispatch, checks and Python around each (0.4 ms of a 12 ms step at batch 1, 30 layers, Zen 4),
 // so the decoder hands every run of layers it computes to one call (attn/native_step.py).
 //
-// Rounding follows the eager layer (attn/decoder.py, attn/norm.py, attn/rope.py) step by step: a
-// norm's fp32 result is rounded to the dtype before it is scaled by the weight, RoPE rotates in
-// fp32 and rounds once, SiLU's output is rounded before it multiplies the up product, each
-// residual sum is rounded once. The products and the attention sum in fp32 in their own order,
-// as in compile_for_decode's step, so an output can differ from eager's in the last bit.
+// Rounding follows the eager layer step by step (layer_steps.h, the work between the products,
+// says where). The products and the attention sum in fp32 in their own order, as in
+// compile_for_decode's step, so an output can differ from eager's in the last bit.
 //
 // With final_norm, the model's last RMSNorm (before its output layer) follows the last layer, in
 // place: as a module after the call it was 7 torch ops, 0.2 ms of a 10-12 ms step at batch 1
@@ -51,19 +49,39 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;  // a head's fp32 copy lives on the stack
 
+// Sixteen fp32 lanes: what layer_steps.h asks of a vector.
+struct Simd {
+  using Vec = __m512;
+  static constexpr int64_t kWidth = kLanes;
+  ATTN_LAYER static Vec zero() { return _mm512_setzero_ps(); }
+  ATTN_LAYER static Vec set1(float v) { return _mm512_set1_ps(v); }
+  ATTN_LAYER static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  ATTN_LAYER static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  ATTN_LAYER static Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  ATTN_LAYER static Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+  ATTN_LAYER static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  ATTN_LAYER static Vec load_f32(const float* p) { return _mm512_loadu_ps(p); }
+  ATTN_LAYER static void store_f32(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  ATTN_LAYER static Vec exp_nonpositive(Vec x) { return attn::exp_nonpositive(x); }
+  ATTN_LAYER static Vec neg_abs(Vec x) { return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)); }
+  ATTN_LAYER static Vec if_negative(Vec x, Vec a, Vec b) {
+    return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), a);
+  }
+};
+
 // Sixteen values of a row as fp32, and back in the row's dtype (bf16: nearest even).
 template <typename T>
 struct Lanes;
 
 template <>
-struct Lanes<float> {
+struct Lanes<float> : Simd {
   ATTN_LAYER static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
   ATTN_LAYER static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
   ATTN_LAYER static __m512 round(__m512 v) { return v; }
 };
 
 template <>
-struct Lanes<c10::BFloat16> {
+struct Lanes<c10::BFloat16> : Simd {
   ATTN_LAYER static __m512 widen(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
@@ -77,74 +95,9 @@ struct Lanes<c10::BFloat16> {
   ATTN_LAYER static __m512 round(__m512 v) { return widen(narrow(v)); }
 };
 
-// out (M, e) = weight * round(x * rsqrt(mean(x^2) + eps)), as attn.norm.RMSNorm computes it; out
-// may be x (each row is read whole before it is written).
-template <typename T>
-ATTN_LAYER void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps) {
-  using V = Lanes<T>;
-  for (int64_t m = 0; m < M; ++m) {
-    const T* row = x + m * e;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < e; i += kLanes) {
-      const __m512 v = V::load(row + i);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(e);
-    const __m512 factor = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-    for (int64_t i = 0; i < e; i += kLanes) {
-      const __m512 normed = V::round(_mm512_mul_ps(V::load(row + i), factor));
-      V::store(out + m * e + i, _mm512_mul_ps(V::load(weight + i), normed));
-    }
-  }
-}
-
-// Rotates x (M, heads, d) in place, as attn.rope.rotate_by: x * cos + roll(x, d / 2) * signed_sin
-// in fp32, rounded once. Row m's cos and signed sin start at cos + m * row_step (0: one for all).
-template <typename T>
-ATTN_LAYER void rotate(T* x, int64_t M, int64_t heads, int64_t d, const float* cos, const float* sin,
-                       int64_t row_step) {
-  using V = Lanes<T>;
-  const int64_t half = d / 2;
-  float wide[kMaxHeadDim];
-  for (int64_t m = 0; m < M; ++m) {
-    const float *c = cos + m * row_step, *s = sin + m * row_step;
-    for (int64_t h = 0; h < heads; ++h) {
-      T* head = x + (m * heads + h) * d;
-      for (int64_t i = 0; i < d; i += kLanes) _mm512_storeu_ps(wide + i, V::load(head + i));
-      if (half % kLanes == 0) {
-        for (int64_t i = 0; i < d; i += kLanes) {
-          const __m512 rolled = _mm512_loadu_ps(wide + (i + half) % d);
-          const __m512 straight = _mm512_mul_ps(_mm512_loadu_ps(wide + i), _mm512_loadu_ps(c + i));
-          V::store(head + i, _mm512_add_ps(straight, _mm512_mul_ps(rolled, _mm512_loadu_ps(s + i))));
-        }
-      } else {  // half a head is not a whole number of vectors (d = 48, 80, ...)
-        for (int64_t i = 0; i < d; ++i) head[i] = T(wide[i] * c[i] + wide[(i + half) % d] * s[i]);
-      }
-    }
-  }
-}
-
-// out = round(a + b), `count` values (a multiple of 16).
-template <typename T>
-ATTN_LAYER void add(const T* a, const T* b, T* out, int64_t count) {
-  using V = Lanes<T>;
-  for (int64_t i = 0; i < count; i += kLanes) V::store(out + i, _mm512_add_ps(V::load(a + i), V::load(b + i)));
-}
-
-// gate = round(round(silu(gate)) * up), in place, `count` values (a multiple of 16). SiLU as
-// x * sigmoid(x), the sigmoid from exp(-|x|) (never an overflow).
-template <typename T>
-ATTN_LAYER void swiglu(T* gate, const T* up, int64_t count) {
-  using V = Lanes<T>;
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const __m512 g = V::load(gate + i);
-    const __m512 small = attn::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(one, negative, small), _mm512_add_ps(one, small));
-    V::store(gate + i, _mm512_mul_ps(V::round(_mm512_mul_ps(g, sigmoid)), V::load(up + i)));
-  }
-}
+#define ATTN_STEPS ATTN_LAYER
+#include "layer_steps.h"  // rms_norm, rotate, add, swiglu
+#undef ATTN_STEPS
 
 // Writes rows (M, h_kv, d) at `slot` of cache (M, h_kv, L, d).
 template <typename T>
@@ -202,8 +155,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   return products(x, {weight}, {bias}, kernels)[0];
 }
 
-// The work between the products, in the instruction set of `kernels`: the AVX-512 functions above
-// or their AVX2 versions.
+// The work between the products, in the instruction set of `kernels`: layer_steps.h built for
+// AVX-512 here, or for AVX2 in avx2_layers.cpp.
 template <typename T>
 struct Steps {
   void (*rms_norm)(const T*, const T*, T*, int64_t, int64_t, float);
