@@ -812,6 +812,25 @@ def _layer_call(**changes):
     return call | dict(weights=weights, biases=biases, k_caches=[first[3][0], k_cache], v_caches=[first[3][1], v_cache])
 
 
+@needs_bf16_matvec
+@pytest.mark.parametrize("avx2", [False, True])
+def test_decode_layers_read_no_slot_the_mask_hides(avx2):
+    """NaN keys and values in every slot a row's mask hides and past the mask's span change
+    nothing: the output is the one with those slots zero, bit for bit, in both builds."""
+    call = _layer_call()  # two layers, 2 rows, slot 3 of 8, heads of 16
+    call["mask"] = torch.tensor([[[True, False, True, True]], [[False, True, False, True]]])  # (b, 1, n)
+    hidden = torch.ones(2, 1, 8, 1, dtype=torch.bool)  # (b, h_kv, L, 1)
+    hidden[:, :, :4] = ~call["mask"].view(2, 1, 4, 1)
+    outputs = []
+    for fill in (float("nan"), 0.0):
+        caches = {
+            side: [cache.masked_fill(hidden, fill) for cache in call[side]] for side in ("k_caches", "v_caches")
+        }
+        outputs.append(torch.ops.attn.decode_layers(**(call | caches), avx2=avx2))
+    assert not outputs[0].isnan().any()
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def _swap(items, index, value):
     items = list(items)
     items[index] = value
