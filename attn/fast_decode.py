@@ -25,14 +25,16 @@ linears of ``max_rows`` + 1 to 16 rows call ``attn::fp32_linear`` instead of MKL
 CPU with AVX-512, attention calls ``attn::decode_attention``, a C++ kernel with a vectorized
 softmax: the reductions ran at about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
 
-Native layers: on a CPU with AVX512-BF16 (or AVX2 and no AVX-512), a model whose layers ``attn::decode_layers`` computes
-(Llama's, with Qwen2's biases, Qwen3's q/k norms and sliding windows) runs the layers of an
-eager decode step as C++ calls, one for all of them where none has a hook or an adapter
-(``TransformerDecoder.native_layers``, ``attn.native_step``). That
-step was as fast as the compiled one or faster (SmolLM2-135M shape, Xeon 6/167, 2 threads: bf16
-16 rows 708 against 711 tok/s, 8 rows 400 against 404, batch 1 68 against 71; fp32 16 rows 337
-against 339, all within the runs' spread) and compiles nothing, so ``compile_for_decode`` runs
-it for such steps (``DecodeCompileStats.native_steps``); ``native_layers=False`` compiles them.
+Native layers: on a CPU with AVX512-BF16 (or AVX2 and no AVX-512: the op's AVX2 build), a model
+whose layers ``attn::decode_layers`` computes (Llama's, with Qwen2's biases, Qwen3's q/k norms
+and sliding windows) runs the layers of an eager decode step as C++ calls, one for all of them
+where none has a hook or an adapter (``TransformerDecoder.native_layers``, ``attn.native_step``).
+That step was as fast as the compiled one or faster (SmolLM2-135M shape, Xeon 6/167, 2 threads:
+bf16 16 rows 708 against 711 tok/s, 8 rows 400 against 404, batch 1 68 against 71; fp32 16 rows
+337 against 339, all within the runs' spread; the AVX2 build, forced on a Zen 4: bf16 batch 1
+97.5 against 73.5, 16 rows 261.8 against 260.0) and compiles nothing, so ``compile_for_decode``
+runs it for such steps (``DecodeCompileStats.native_steps``); ``native_layers=False`` compiles
+them.
 
 Compile time: from torch 2.13 the step traces one decoder layer as a region that every layer
 calls (``attn.regions.compile_region``), so inductor compiles one layer, not all of them. A
@@ -745,9 +747,9 @@ def compile_for_decode(
             inductor's code), ``True`` to require the build (its error if not), ``False`` for
             inductor's code.
         native_layers: cached steps the model's eager step runs as ``attn::decode_layers``
-            calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, or
-            AVX2 and no AVX-512, a Llama-style model, rows its products take) run so, and compile nothing: that step
-            was faster than the compiled one (``docs/performance.md``). ``False`` compiles
+            calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, or AVX2 and
+            no AVX-512, a Llama-style model, rows its products take) run so, and compile
+            nothing: that step was faster than the compiled one (``docs/performance.md``). ``False`` compiles
             every step (as ``native=False`` and ``rewrite_linears=False`` do).
 
     Returns:
