@@ -680,7 +680,7 @@ class TransformerDecoder(nn.Module):
     def native_layers(self, batch_size: int) -> bool:
         """Does an eager decode step of ``batch_size`` rows run its layers as calls to
         ``attn::decode_layers`` (``attn.plan.Linears``: ``"native"``)? Where the CPU has
-        AVX512-BF16, or AVX2 and no AVX-512 (the op's AVX2 build), and the kernels build (the
+        AVX512-BF16, or AVX2 and no AVX512-BF16 (the op's AVX2 build), and the kernels build (the
         first call builds them, ``attn.native``), for a CPU bf16 or fp32 model of the layers it
         computes (Llama's, with Qwen2's biases, Qwen3's
         q/k norms, sliding windows; widths of whole vectors), with caches of its dtype, and rows

@@ -25,7 +25,7 @@ linears of ``max_rows`` + 1 to 16 rows call ``attn::fp32_linear`` instead of MKL
 CPU with AVX-512, attention calls ``attn::decode_attention``, a C++ kernel with a vectorized
 softmax: the reductions ran at about 20 GFLOP/s, 8.6 ms of a 35 ms bf16 step at 16 rows.
 
-Native layers: on a CPU with AVX512-BF16 (or AVX2 and no AVX-512: the op's AVX2 build), a model
+Native layers: on a CPU with AVX512-BF16 (or AVX2 and no AVX512-BF16: the op's AVX2 build), a model
 whose layers ``attn::decode_layers`` computes (Llama's, with Qwen2's biases, Qwen3's q/k norms
 and sliding windows) runs the layers of an eager decode step as C++ calls, one for all of them
 where none has a hook or an adapter (``TransformerDecoder.native_layers``, ``attn.native_step``).
@@ -741,14 +741,15 @@ def compile_for_decode(
             ``attn::amx_linear`` (AMX), and of at most 16 rows (fewer than 5 with AMX)
             ``attn::bf16_matvec`` (AVX512-BF16 dot products), whatever ``max_rows``; fp32 linears of more than
             ``max_rows`` and at most 16 rows ``attn::fp32_linear`` (AVX512-BF16 CPUs), where
-            the CPU has those instructions; on a CPU with AVX2 and no AVX-512 both dtypes'
-            linears ``attn::avx2_linear`` (attention stays inductor's). ``None`` (default)
+            the CPU has those instructions; on a CPU with AVX2 and no AVX512-BF16 both dtypes'
+            linears ``attn::avx2_linear`` (attention ``attn::decode_attention`` where the CPU
+            has AVX-512, else inductor's). ``None`` (default)
             where the CPU has AVX2 or AVX-512 and the build succeeds (else one warning and
             inductor's code), ``True`` to require the build (its error if not), ``False`` for
             inductor's code.
         native_layers: cached steps the model's eager step runs as ``attn::decode_layers``
             calls (``TransformerDecoder.native_layers``: a CPU with AVX512-BF16, or AVX2 and
-            no AVX-512, a Llama-style model, rows its products take) run so, and compile
+            no AVX512-BF16, a Llama-style model, rows its products take) run so, and compile
             nothing: that step was faster than the compiled one (``docs/performance.md``). ``False`` compiles
             every step (as ``native=False`` and ``rewrite_linears=False`` do).
 

@@ -9,7 +9,7 @@ a compiled model, under every policy), and the
 results are cloned out of inference mode: they feed a grad-enabled pass as they are.
 
 Where the model's decode steps are what ``attn::decode_loop`` computes (a CPU with AVX512-BF16
-or with AVX2 and no AVX-512, a Llama-style model with no hooks: ``TransformerDecoder.native_loop``),
+or with AVX2 and no AVX512-BF16, a Llama-style model with no hooks: ``TransformerDecoder.native_loop``),
 they run in C++, many a call (``attn.native_loop``), with the same tokens, log-probabilities and
 generator draws as the Python loop; ``on_tokens`` keeps the Python loop.
 

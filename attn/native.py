@@ -29,13 +29,14 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   ms at 16 rows against 15.0-15.7 for oneDNN on packed weights, 11.0-12.1 at 8 rows against
   14.0-14.6 for ``attn::bf16_matvec``; it takes over from ``AMX_FROM_ROWS`` rows.
 - ``attn::avx2_linear`` (``avx2_linear.cpp``): bf16 and fp32 products of 1 to
-  ``AVX2_LINEAR_MAX_ROWS`` rows with AVX2 and FMA, for CPUs without AVX-512 (AMD before Zen 4,
-  Intel's client cores), where oneDNN cannot pack a bf16 weight and widens it inside its own
-  kernel: bf16 weights become fp32 in registers (a shift and a mask), x once a call. The 30
-  layers' products of the SmolLM2-135M shape, 2 threads, AMD EPYC (Zen 1, 22 GB/s two-thread
-  read), median of 9: bf16 16.4 ms at one row (13.0 GB/s), 21.6 at 4, 85.9 at 16 against
-  25.0, 88.2 and 345.5 for ``F.linear`` and 54.7, 89.8 and 124.8 for oneDNN on widened
-  packed copies; fp32 27.1, 28.6 and 74.4 against 41.5, 74.0 and 113.1 for oneDNN's product.
+  ``AVX2_LINEAR_MAX_ROWS`` rows with AVX2 and FMA, for CPUs without AVX512-BF16 (AMD before Zen 4,
+  Intel's client cores, Xeons from Skylake-SP to Ice Lake), where oneDNN widens a bf16 weight
+  inside its own kernel (and cannot even pack one without AVX-512): bf16 weights become fp32 in
+  registers (a shift and a mask), x once a call. The 30 layers' products of the SmolLM2-135M shape,
+  2 threads, AMD EPYC (Zen 1, 22 GB/s two-thread read), median of 9: bf16 16.4 ms at one row (13.0
+  GB/s), 21.6 at 4, 85.9 at 16 against 25.0, 88.2 and 345.5 for ``F.linear`` and 54.7, 89.8 and
+  124.8 for oneDNN on widened packed copies; fp32 27.1, 28.6 and 74.4 against 41.5, 74.0 and 113.1
+  for oneDNN's product.
 - ``attn::decode_attention`` (``decode_attention.cpp``): masked attention of a few queries per
   row over the cache, fp32, bf16 or fp16, with AVX-512: the query heads of one (row, kv head) a
   task, so each key and value row is read once for the group; scores 16 slots at a time (bf16 by
@@ -58,7 +59,7 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   8-10 of its 26-29 ms at 16 rows in Python, guards and small kernels between its products. 30
   layers of the SmolLM2-135M shape at 16 bf16 rows: 14.6-15.0 ms, the sum of their kernels (one
   call a layer, as the op first was; all 30 in one call took 0.4 ms less a step at batch 1).
-  On a CPU with AVX2 and no AVX-512 it runs its AVX2 build (``avx2=True``, ``avx2_layers``):
+  On a CPU with AVX2 and no AVX512-BF16 it runs its AVX2 build (``avx2=True``, ``avx2_layers``):
   ``attn::avx2_linear``'s products, and the norms, RoPE, SiLU, residuals and attention of
   ``avx2_layers.cpp``. There the layers as modules spent half an eager bf16 step at batch 1 in
   some 1,900 small ATen ops (Zen 1); with the AVX2 build forced on a Zen 4 (these probes
@@ -406,7 +407,7 @@ def bf16_linear_kernel(rows: int, features: int) -> torch._ops.OpOverload | None
     ``attn::amx_linear`` from ``AMX_FROM_ROWS`` to ``AMX_LINEAR_MAX_ROWS`` rows (features a
     multiple of 32) on a CPU with AMX, else ``attn::bf16_matvec`` up to
     ``BF16_MATVEC_MAX_ROWS`` on one with AVX512-BF16, ``attn::avx2_linear`` up to
-    ``AVX2_LINEAR_MAX_ROWS`` on one with AVX2 and no AVX-512; ``None`` where none takes it."""
+    ``AVX2_LINEAR_MAX_ROWS`` on one with AVX2 and no AVX512-BF16; ``None`` where none takes it."""
     if AMX_FROM_ROWS <= rows <= AMX_LINEAR_MAX_ROWS and features % 32 == 0 and amx_linear_available():
         return torch.ops.attn.amx_linear.default
     if 1 <= rows <= BF16_MATVEC_MAX_ROWS and bf16_matvec_available():
@@ -429,15 +430,18 @@ def decode_attention_available() -> bool:
 
 
 def avx2_linear_available() -> bool:
-    """Does ``attn::avx2_linear`` take the few-row products here? A CPU with AVX2 and no AVX-512
-    (where the AVX-512 kernels are the ones measured), and the extension built."""
-    return not _has_avx512() and _has_avx2() and _built_here()
+    """Does ``attn::avx2_linear`` take the few-row products here? A CPU with AVX2 and no
+    AVX512-BF16, where attn's AVX-512 products cannot run: AVX2 CPUs, and AVX-512 ones without
+    BF16 (Skylake-SP to Ice Lake), whose eager bf16 decode ran oneDNN's product widening inside
+    its loop and the layers as modules (an Ice Lake stand-in, ``docs/performance.md``: the AVX2
+    build's steps took 0.39 of that time at batch 1). And the extension built."""
+    return not _has_avx512_bf16() and _has_avx2() and _built_here()
 
 
 def decode_layers_available() -> bool:
     """Can ``attn::decode_layers`` run here? A CPU with AVX512-BF16 (its AVX-512 build), or one
-    with AVX2 and no AVX-512 (its AVX2 build: ``avx2_layers``), and the extension built (on the
-    first call; a failed build warns once and answers no)."""
+    with AVX2 and no AVX512-BF16 (its AVX2 build: ``avx2_layers``), and the extension built (on
+    the first call; a failed build warns once and answers no)."""
     return bf16_matvec_available() or avx2_linear_available()
 
 

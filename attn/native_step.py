@@ -3,11 +3,11 @@
 Shapes: b = batch, e = embed dim.
 
 Where ``TransformerDecoder.native_layers`` says a decode step's layers are native (a CPU with
-AVX512-BF16, or AVX2 and no AVX-512, a model of the layers the op computes), every run of consecutive layers that are
-the plain layer the op computes is one call to ``attn::decode_layers``; a layer with a hook or
-an adapter on one of its modules runs its own modules, so the hook fires and the adapter adds
-its part. A run is cut where the plan changes (the windowed layers of a model whose windows
-apply to some layers only).
+AVX512-BF16, or AVX2 and no AVX512-BF16, a model of the layers the op computes), every run of
+consecutive layers that are the plain layer the op computes is one call to ``attn::decode_layers``;
+a layer with a hook or an adapter on one of its modules runs its own modules, so the hook fires and
+the adapter adds its part. A run is cut where the plan changes (the windowed layers of a model
+whose windows apply to some layers only).
 
 The step is built once (``NativeStep``) and reused while nothing it read has changed: every
 decode step compares, object by object, the layers' modules, parameters, hooks and norm and

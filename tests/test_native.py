@@ -585,14 +585,19 @@ def test_a_cpu_without_avx2_is_told_so_and_not_offered_the_kernels(monkeypatch):
 
 
 @needs_avx2
-def test_a_cpu_with_avx2_and_no_avx512_gets_the_avx2_products_and_layers(monkeypatch):
+@pytest.mark.parametrize("avx512", [False, True])
+def test_a_cpu_with_avx2_and_no_avx512_bf16_gets_the_avx2_products_and_layers(monkeypatch, avx512):
+    """An AVX2 CPU, and an AVX-512 one without BF16 (Skylake-SP to Ice Lake): attn::avx2_linear's
+    products and attn::decode_layers' AVX2 build; attn::decode_attention where it has AVX-512."""
     avx2_only(monkeypatch)
+    if avx512:
+        monkeypatch.setattr(attn.native, "_has_avx512", lambda: True)
     avx2 = torch.ops.attn.avx2_linear.default
     for dtype in (torch.bfloat16, torch.float32):
         assert [native_product(rows, 576, dtype) for rows in (1, AVX2_LINEAR_MAX_ROWS)] == [avx2, avx2]
         assert native_product(AVX2_LINEAR_MAX_ROWS + 1, 576, dtype) is None  # a matrix product
     assert native_product(1, 576, torch.float16) is None
-    assert decode_attention_available() is False
+    assert decode_attention_available() is avx512
     assert decode_layers_available() is True and attn.native.avx2_layers() is True  # its AVX2 build
 
 
@@ -823,9 +828,7 @@ def test_decode_layers_read_no_slot_the_mask_hides(avx2):
     hidden[:, :, :4] = ~call["mask"].view(2, 1, 4, 1)
     outputs = []
     for fill in (float("nan"), 0.0):
-        caches = {
-            side: [cache.masked_fill(hidden, fill) for cache in call[side]] for side in ("k_caches", "v_caches")
-        }
+        caches = {side: [cache.masked_fill(hidden, fill) for cache in call[side]] for side in ("k_caches", "v_caches")}
         outputs.append(torch.ops.attn.decode_layers(**(call | caches), avx2=avx2))
     assert not outputs[0].isnan().any()
     assert torch.equal(outputs[0], outputs[1])
