@@ -1,8 +1,8 @@
 // The work of attn::decode_layers between its products, with AVX2 and FMA, for CPUs without
-// AVX-512 (AMD before Zen 4, Intel's client cores): RMSNorm, RoPE, residual sums and SwiGLU
-// (layer_steps.h, built here for 8 fp32 lanes; decode_layers.cpp builds it for AVX-512) and the
-// decode attention over the cache. attn::decode_layers takes these (and attn::avx2_linear for its
-// products) when told `avx2`.
+// AVX512-BF16 (AMD before Zen 4, Intel's client cores, Xeons from Skylake-SP to Ice Lake):
+// RMSNorm, RoPE, residual sums and SwiGLU (layer_steps.h, built here for 8 fp32 lanes;
+// decode_layers.cpp builds it for AVX-512) and the decode attention over the cache.
+// attn::decode_layers takes these (and attn::avx2_linear for its products) when told `avx2`.
 //
 // On such a CPU an eager decode step spent half its time outside its products: about 1,900 small
 // ATen ops and the Python between them, 28 ms of a 58 ms bf16 step at batch 1 (SmolLM2-135M

@@ -20,7 +20,7 @@
 // place: as a module after the call it was 7 torch ops, 0.2 ms of a 10-12 ms step at batch 1
 // (SmolLM2-135M shape, bf16, Zen 4), each op's objects cold after the weights streamed by.
 //
-// With avx2 (a CPU with AVX2 and no AVX-512, as attn/native.py tells it) the products are
+// With avx2 (a CPU with AVX2 and no AVX512-BF16, as attn/native.py tells it) the products are
 // attn::avx2_linear's and the work between them, attention included, is avx2_layers.cpp's: the
 // same steps and roundings with 8 fp32 lanes (Steps below picks one set of the two).
 //
@@ -112,7 +112,7 @@ void write_slot(const T* rows, const at::Tensor& cache, int64_t slot) {
 
 // Which kernels a call takes (attn/native.py chooses): AMX products from `amx_from_rows` rows (0:
 // none); `avx2`: attn::avx2_linear's products and the AVX2 work between them (avx2_layers.cpp),
-// for a CPU without AVX-512.
+// for a CPU without AVX512-BF16.
 struct Kernels {
   int64_t amx_from_rows;
   bool avx2;

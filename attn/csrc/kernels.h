@@ -51,7 +51,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
 // it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
-// products and the AVX2 code below, for a CPU without AVX-512.
+// products and the AVX2 code below, for a CPU without AVX512-BF16.
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
@@ -63,7 +63,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
 at::Tensor layer_product(const at::Tensor& x, const at::Tensor& weight, int64_t amx_from_rows, bool avx2);
 
 // attn::decode_layers' work between its products with AVX2 and FMA (avx2_layers.cpp), T float or
-// c10::BFloat16; decode_layers.cpp has the AVX-512 versions and says what each computes.
+// c10::BFloat16: layer_steps.h built for AVX2 (it says what each computes), and attention.
 namespace avx2 {
 template <typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t M, int64_t e, float eps);
