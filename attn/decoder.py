@@ -461,10 +461,13 @@ class TransformerDecoder(nn.Module):
         """Repeats every cache row ``num_copies`` times in place, row i becoming rows
         ``i * num_copies .. (i + 1) * num_copies - 1``: prefill each prompt once, then sample
         ``num_copies`` continuations of it (``attn.generate(..., num_samples=)`` does). Every
-        layer's new buffers are allocated before any layer changes."""
+        layer's new buffers are allocated before any layer changes. The copies' slots are
+        recorded as shared (``CacheState.shared_slots``): the native decode reads them once for
+        each group of ``num_copies`` rows."""
         check_positive_int(num_copies, "num_copies")
         state = self._state_or_raise()
         state.keep_rows(torch.arange(state.batch_size, device=state.fill.device).repeat_interleave(num_copies))
+        state.share_slots(num_copies)
 
     def _state_or_raise(self) -> CacheState:
         check_holder(self.cache_state)

@@ -61,6 +61,12 @@ class CacheState(nn.Module):
             (``attn.policy.inference_mode_decides``).
         prechecked: inside ``checked_up_front()``: eager passes skip the token-id and capacity
             checks, which their caller made once for the whole block.
+        shared_slots: ``(group, slots)`` after ``fork_caches``: rows ``b`` hold in their first
+            ``slots`` slots the keys and values of row ``b - b % group`` (its copies), so the
+            native decode reads those once for the group (``attn::decode_attention``'s
+            ``group`` and ``shared``); ``None`` once the rows or the slots below the fill
+            change (``keep_rows``, ``restore``, ``reset``, ``detach``). Passes write only from
+            the fill on, which never goes below ``slots`` while it is set.
         fill: tokens written so far, a 0-dim long tensor (``size`` reads it).
         slot_ids: ``arange(L)``; its length is the capacity, read from a shape so that a
             compiled step with that dim marked dynamic serves every cache length.
@@ -76,6 +82,7 @@ class CacheState(nn.Module):
         self.caches: list[KVCache] = []
         self.chunk_end: int | None = None
         self.prechecked = False
+        self.shared_slots: tuple[int, int] | None = None
         self.register_buffer("fill", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("slot_ids", torch.zeros(0, dtype=torch.long), persistent=False)
         self.register_buffer("row_ids", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -126,6 +133,7 @@ class CacheState(nn.Module):
             cache.torn_down = True
         self.caches = []
         self.chunk_end = None
+        self.shared_slots = None
         self.slot_ids, self.row_ids = self.slot_ids[:0], self.row_ids[:0]
         self.fill.zero_()
 
@@ -249,6 +257,7 @@ class CacheState(nn.Module):
             cache.v_cache.masked_fill_(~kept[:, None], 0)
         self.fill.fill_(fill)
         self.chunk_end = None
+        self.shared_slots = None
 
     def row_index(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``rows`` checked against the batch size (one host read), as a long index on the
@@ -275,6 +284,7 @@ class CacheState(nn.Module):
             cache.k_cache, cache.v_cache = k, v
         self.row_ids = row_ids
         self.chunk_end = None
+        self.shared_slots = None
 
     def reset(self) -> None:
         """Empties every cache (zeroes the buffers and the fill), in or out of inference mode."""
@@ -284,6 +294,21 @@ class CacheState(nn.Module):
             cache.v_cache.zero_()
         self.fill.zero_()
         self.chunk_end = None
+        self.shared_slots = None
+
+    def share_slots(self, group: int) -> None:
+        """Records that rows ``b`` now hold row ``b - b % group``'s keys and values in every
+        slot below the fill (``fork_caches`` just copied them there): ``shared_slots``. On
+        the CPU only, where the native decode reads it: there the fill's host read waits for
+        nothing; elsewhere it would wait for every queued kernel."""
+        self.shared_slots = None
+        if group > 1 and self.fill.device.type == "cpu":
+            filled = self.size
+            self.shared_slots = (group, filled) if filled > 0 else None
+
+    def shared_args(self) -> tuple[int, int]:
+        """``(group, shared)`` as ``attn::decode_attention`` takes them: ``(1, 0)`` for none."""
+        return self.shared_slots or (1, 0)
 
 
 class KVCache(nn.Module):

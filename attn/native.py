@@ -48,7 +48,10 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   task a kv head's group, and the next task's values prefetched while the value sums run: bf16
   0.68-0.71 of the time before with caches from memory and 0.61 with one layer's in cache, fp32
   0.83 and 0.71 (Zen 4, paired rounds). ``widen=True`` takes the widening path for bf16 on a CPU
-  with AVX512-BF16 too, so tests cover both.
+  with AVX512-BF16 too, so tests cover both. ``group`` and ``shared``: rows whose first
+  ``shared`` slots copy their group's first row (``fork_caches``; ``CacheState.shared_slots``)
+  read those from that row, once for the group: the same bits, a GRPO group's prompt read once
+  a step rather than G times.
 
 - ``attn::decode_layers`` (``decode_layers.cpp``): a run of decoder layers' decode step in one
   call, calling the products and the attention above directly (q, k and v, and gate and up, one
@@ -160,12 +163,13 @@ _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("avx2_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define(
-    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale, bool widen=False) -> Tensor"
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale, bool widen=False, int group=1, "
+    "int shared=0) -> Tensor"
 )
 _LIBRARY.define(
     "decode_layers(Tensor x, Tensor[] weights, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
     "Tensor slots, Tensor mask, Tensor rotation, float eps, float scale, int amx_from_rows, "
-    "Tensor? final_norm=None, float final_eps=0.0, bool avx2=False) -> Tensor"
+    "Tensor? final_norm=None, float final_eps=0.0, bool avx2=False, int group=1, int shared=0) -> Tensor"
 )
 _LIBRARY.define(
     "decode_loop(Tensor(a!) logits, Tensor embedding, Tensor head, Tensor[] weights, Tensor?[] biases, "
@@ -173,7 +177,7 @@ _LIBRARY.define(
     "int amx_from_rows, Tensor cos_sin, Tensor key_valid, Tensor(d!) next_pos, Tensor(e!) fill, Tensor(f!) done, "
     "Tensor(g!) new_tokens, Tensor(h!) new_mask, Tensor(i!) logprobs, Tensor(j!)? all_logits, Tensor stop_ids, "
     "int pad_id, float temperature, int top_k, Generator? generator, int first_step, int last_step, "
-    "bool avx2=False) -> int"
+    "bool avx2=False, int group=1, int shared=0) -> int"
 )
 
 _built = False
@@ -224,7 +228,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.register_fake("attn::decode_attention")
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float, widen: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+    widen: bool = False,
+    group: int = 1,
+    shared: int = 0,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)  # (b, h, s, d), contiguous
 

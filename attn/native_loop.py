@@ -136,6 +136,7 @@ class NativeLoop:
             first_step,
             last_step,
             avx2_layers(),
+            *self.model.cache_state.shared_args(),
         )
         self.model_steps += ran
         if self.stats is not None:

@@ -434,7 +434,8 @@ def test_decode_after_rewinds_compiles_nothing_new() -> None:
 @pytest.mark.parametrize("num_layers", [1, 6])
 def test_cache_operations_check_once_for_every_layer(monkeypatch: pytest.MonkeyPatch, num_layers: int) -> None:
     """rewind_caches and select_caches read their argument's bounds once (one host sync), not
-    once per layer; fork_caches reads nothing."""
+    once per layer; fork_caches reads the fill once on the CPU (the slots its copies share) and
+    nothing on other devices."""
     model = tiny_model(3, num_layers=num_layers)
     model.setup_caches(2, 16)
     with torch.inference_mode():
@@ -445,9 +446,43 @@ def test_cache_operations_check_once_for_every_layer(monkeypatch: pytest.MonkeyP
     counts = [counter.count]
     model.fork_caches(2)
     counts.append(counter.count)
-    assert counts == [2, 2], counts
+    assert counts == [2, 3], counts
+    assert model.cache_state.shared_slots == (2, 3)
     assert [c.batch_size for c in model.kv_caches()] == [6] * num_layers
     assert all(int(c.size) == 3 for c in model.kv_caches())
+
+
+def test_a_fork_records_the_slots_its_copies_share_until_they_may_change() -> None:
+    """``shared_slots`` after ``fork_caches(G)``: (G, the fill); none for one copy or an empty
+    cache; dropped by every operation that moves rows or slots below the fill (a pass writes
+    from the fill on, so it keeps it)."""
+    model = tiny_model(7)
+    model.setup_caches(2, 16)
+    model.fork_caches(2)
+    assert model.cache_state.shared_slots is None  # nothing written yet
+    prompt = torch.randint(0, 61, (4, 3), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(prompt)
+    model.fork_caches(1)
+    assert model.cache_state.shared_slots is None
+    operations = {
+        "select": lambda: model.select_caches([0, 1, 2, 3]),
+        "rewind": lambda: model.rewind_caches(3),
+        "reset": model.reset_caches,
+        "setup": lambda: model.setup_caches(4, 16),
+        "teardown": model.teardown_caches,
+    }
+    for name, operation in operations.items():
+        model.setup_caches(2, 16)
+        with torch.inference_mode():
+            model(prompt[:2])
+        model.fork_caches(2)
+        assert model.cache_state.shared_slots == (2, 3), name
+        with torch.inference_mode():
+            model(prompt[:, :1])  # writes slot 3: the shared slots stay
+        assert model.cache_state.shared_slots == (2, 3), name
+        operation()
+        assert model.cache_state.shared_slots is None, name
 
 
 def test_every_layer_shares_the_models_cache_state() -> None:

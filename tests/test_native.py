@@ -385,6 +385,60 @@ def test_attention_never_reads_a_masked_slot_into_the_output(length, head_dim, d
 
 
 @needs_avx512
+@given(
+    groups=st.integers(1, 3),
+    group=st.integers(1, 4),  # rows that share slots (a fork's copies)
+    kv_heads=st.integers(1, 2),
+    heads_per_kv=st.sampled_from([1, 3, 9]),  # 9: more than a task's 8 queries of one head
+    queries=st.integers(1, 2),
+    length=st.integers(1, 40),
+    shared_at=st.floats(0, 1),
+    head_dim=st.sampled_from([16, 64, 128]),
+    dtype=st.sampled_from(sorted(_DTYPES)),
+    per_row=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    widen=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=examples(60), deadline=None)
+def test_attention_reads_shared_slots_from_each_groups_first_row(
+    groups, group, kv_heads, heads_per_kv, queries, length, shared_at, head_dim, dtype, per_row, threads, widen, seed
+):
+    """Rows ``b`` whose first ``shared`` slots copy row ``b - b % group``'s (``fork_caches``):
+    the attention that reads those slots from that row (``group``, ``shared``) equals, bit for
+    bit, the one that reads every row's own, and stays so with other values in the copies."""
+    gen = torch.Generator().manual_seed(seed)
+    kind, batch, shared = _DTYPES[dtype], groups * group, int(shared_at * length)
+    q = torch.randn(batch, kv_heads * heads_per_kv, queries, head_dim, generator=gen).to(kind)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, generator=gen).to(kind) for _ in "kv")
+    for cache in (k, v):
+        cache[:, :, :shared] = cache[::group, :, :shared].repeat_interleave(group, 0)
+    mask = torch.rand((batch, 1, queries, length) if per_row else (queries, length), generator=gen) < 0.7
+    torch.set_num_threads(threads)
+    expected = torch.ops.attn.decode_attention(q, k, v, mask, 0.3, widen)
+    assert torch.equal(torch.ops.attn.decode_attention(q, k, v, mask, 0.3, widen, group, shared), expected)
+    copies = torch.arange(batch) % group != 0
+    for cache in (k, v):
+        cache[copies, :, :shared] = torch.randn(cache[copies, :, :shared].shape, generator=gen).to(kind)
+    assert torch.equal(torch.ops.attn.decode_attention(q, k, v, mask, 0.3, widen, group, shared), expected)
+
+
+@needs_avx512
+@pytest.mark.parametrize(
+    ("group", "shared", "message"),
+    [
+        (3, 0, "group must divide the 4 rows and shared be >= 0 .* got group 3 and shared 0"),
+        (0, 0, "got group 0 and shared 0"),
+        (2, -1, "got group 2 and shared -1"),
+    ],
+)
+def test_attention_bad_shared_slots_name_the_values(group, shared, message):
+    q, k, v, mask = _tensors((4, 2, 1, 16), (4, 1, 4, 16))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.decode_attention(q, k, v, mask, 0.25, False, group, shared)
+
+
+@needs_avx512
 def test_attention_for_cpus_without_avx512_bf16_holds_no_bf16_instruction():
     """The kernel is built for AVX512-BF16 (its vdpbf16ps scores), and its widening instantiations
     run on CPUs with AVX-512 but no BF16 (Ice Lake): the compiler must have put no bf16
@@ -834,6 +888,39 @@ def test_decode_layers_read_no_slot_the_mask_hides(avx2):
     assert torch.equal(outputs[0], outputs[1])
 
 
+@needs_bf16_matvec
+@pytest.mark.parametrize("avx2", [False, True])
+def test_decode_layers_read_shared_slots_from_each_groups_first_row(avx2):
+    """4 rows in groups of 2 whose first 3 slots copy the group's first row: with group 2 and
+    shared 3 the layers' output and cache writes are, bit for bit, those of the call that
+    reads every row's own slots, and stay so with other values in the copies; that call, on
+    those values, gives the copies other outputs. Both builds."""
+    call = _layer_call(
+        x=lambda c: torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(3)).bfloat16(),
+        k_cache=lambda c: torch.randn(4, 1, 8, 16, generator=torch.Generator().manual_seed(4)).bfloat16(),
+        v_cache=lambda c: torch.randn(4, 1, 8, 16, generator=torch.Generator().manual_seed(5)).bfloat16(),
+    )
+    for cache in call["k_caches"] + call["v_caches"]:
+        cache[:, :, :3] = cache[::2, :, :3].repeat_interleave(2, 0)
+    clean = [cache.clone() for cache in call["k_caches"] + call["v_caches"]]
+    expected = torch.ops.attn.decode_layers(**call, avx2=avx2)
+    written = [cache.clone() for cache in call["k_caches"] + call["v_caches"]]
+
+    def poisoned():
+        for cache, old in zip(call["k_caches"] + call["v_caches"], clean, strict=True):
+            cache.copy_(old)
+            cache[1::2, :, :3] = torch.randn(cache[1::2, :, :3].shape, generator=torch.Generator().manual_seed(6))
+        return call
+
+    got = torch.ops.attn.decode_layers(**poisoned(), avx2=avx2, group=2, shared=3)
+    assert torch.equal(got, expected)
+    for cache, old in zip(call["k_caches"] + call["v_caches"], written, strict=True):
+        assert torch.equal(cache[:, :, 3:], old[:, :, 3:])  # slot 3 written as before, the rest kept
+    misread = torch.ops.attn.decode_layers(**poisoned(), avx2=avx2)
+    assert torch.equal(misread[::2], expected[::2])
+    assert not torch.isclose(misread[1::2], expected[1::2]).all(-1).any()
+
+
 def _swap(items, index, value):
     items = list(items)
     items[index] = value
@@ -907,6 +994,12 @@ def _swap(items, index, value):
             {"final_norm": lambda c: torch.ones(32)},
             r"final_norm must be None or a contiguous \(32,\) CPU tensor of x's dtype BFloat16, got \[32\] Float",
         ),
+        ({"group": lambda c: 3}, "group must divide the 2 rows .* got group 3 and shared 0"),
+        ({"group": lambda c: 2, "shared": lambda c: -1}, "got group 2 and shared -1"),
+        (
+            {"group": lambda c: 2, "shared": lambda c: 4},
+            r"writes slot 3, one of the 4 slots its rows share \(group 2\)",
+        ),
     ],
 )
 def test_decode_layers_bad_input_names_the_values_and_writes_no_layer(changes, message):
@@ -936,6 +1029,20 @@ def _opcheck_cases():
             ),
             marks=needs_avx512,
         ),
+        pytest.param(
+            "decode_attention",
+            lambda: (
+                bf16(4, 4, 1, 16),
+                bf16(4, 2, 8, 16),
+                bf16(4, 2, 8, 16),
+                torch.ones(4, 1, 1, 8, dtype=torch.bool),
+                0.25,
+                False,
+                2,
+                5,  # rows in pairs sharing 5 slots
+            ),
+            marks=needs_avx512,
+        ),
         pytest.param("bf16_matvec", lambda: (bf16(3, 32), bf16(16, 32), bf16(16)), marks=needs_bf16_matvec),
         pytest.param("fp32_linear", lambda: (bf16(3, 32).float(), bf16(16, 32).float(), None), marks=needs_bf16_matvec),
         pytest.param("amx_linear", lambda: (bf16(5, 32), bf16(16, 32), None), marks=needs_amx),
@@ -946,7 +1053,7 @@ def _opcheck_cases():
     def layers(avx2=False):
         call = _layer_call()
         names = ("x", "weights", "biases", "k_caches", "v_caches", "slots", "mask", "rotation", "eps", "scale")
-        return (*(call[name] for name in names), call["amx_from_rows"], None, 0.0, avx2)
+        return (*(call[name] for name in names), call["amx_from_rows"], None, 0.0, avx2, 2, 3)  # rows share 3 slots
 
     return [
         *cases,

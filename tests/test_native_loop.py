@@ -387,6 +387,14 @@ _BAD_CALLS = {
     "a top_k past the vocabulary": (dict(top_k=62, temperature=1.0), "top_k 62 in [0, 61]"),
     "rows that do not match": (dict(done=torch.zeros(2, dtype=torch.bool)), "done (1,) bool"),
     "a RoPE table of another head dim": (dict(cos_sin=torch.zeros(2, 64, 8)), "rows (8) must be the caches' head dim"),
+    "shared slots it would write": (
+        dict(avx2=None, group=1, shared=5),
+        "the steps write slots from 4, inside the 5 slots the rows share (group 1)",
+    ),
+    "a group that does not divide the rows": (
+        dict(avx2=None, group=2, shared=0),
+        "group must divide the 1 rows and shared be >= 0",
+    ),
 }
 
 
@@ -397,6 +405,8 @@ def test_a_bad_call_raises_before_it_writes(case: str) -> None:
     arguments = _op_arguments(model)
     change, message = _BAD_CALLS[case]
     arguments |= change
+    if "avx2" in arguments:
+        arguments["avx2"] = attn.native.avx2_layers()
     before = [t.clone() for c in model.cache_state.caches for t in (c.k_cache, c.v_cache)]
     tokens = arguments["new_tokens"].clone()
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -412,3 +422,46 @@ def test_a_valid_call_runs_its_steps() -> None:
     arguments = _op_arguments(model)
     assert torch.ops.attn.decode_loop(*arguments.values()) == 7  # the last step samples and stops
     assert int(model.cache_state.fill) == 11
+
+
+@pytest.mark.parametrize("python", [False, True])
+@pytest.mark.parametrize("avx2", [False, True])
+def test_a_forked_generation_reads_each_groups_prompt_from_its_first_row(
+    python: bool, avx2: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generate(num_samples=3)`` forks the prefilled prompts; its decode steps (the C++ loop's
+    and the Python loop's native steps) read the prompt's slots from each group's first row:
+    other values in the copies right after the fork change no token, log-probability or logit,
+    and the output is that of steps that read every row's own (unchanged) copy."""
+    if avx2:
+        avx2_only(monkeypatch)
+    model = _model(torch.bfloat16)
+    fork = model.fork_caches
+
+    def fork_then_poison(copies: int) -> None:
+        fork(copies)
+        group, slots = model.cache_state.shared_slots
+        for cache in model.kv_caches():
+            for buffer in (cache.k_cache, cache.v_cache):
+                buffer[torch.arange(buffer.shape[0]) % group != 0, :, :slots] = 3.0
+
+    def fork_unshared(copies: int) -> None:
+        fork(copies)
+        model.cache_state.shared_slots = None
+
+    def fork_poison_and_read(copies: int) -> None:
+        fork_then_poison(copies)
+        model.cache_state.shared_slots = None
+
+    run = _in_python if python else attn.generate
+    options = dict(max_new_tokens=CHUNK_STEPS + 2, temperature=1.0, num_samples=3, return_logits=True)
+    outputs = []
+    for forked in (fork_then_poison, fork_unshared, fork_poison_and_read):
+        monkeypatch.setattr(model, "fork_caches", forked)
+        calls = _loop_calls(monkeypatch)
+        outputs.append(run(model, [[1, 2, 3, 4, 5], [6, 7]], generator=torch.Generator().manual_seed(0), **options))
+        assert (calls == []) == python
+    _assert_same(*outputs[:2])
+    copies = torch.arange(6) % 3 != 0
+    first = slice(1, 2)  # the first step after the fork (step 0 samples from the prefill)
+    assert not torch.isclose(outputs[2].logits[copies, first], outputs[1].logits[copies, first]).all(-1).any()

@@ -274,9 +274,11 @@ class NativeStepMachine(RuleBasedStateMachine):
     added or removed on any module of a layer or on the final norm, a forward set on one of those
     modules' instances, a projection's weight or
     bias replaced, a projection swapped for an adapter, a norm's eps changed, the final norm's
-    weight and eps replaced, cache rows kept or forked, caches set up again. Every change is
-    followed by a step (and more come at random), and every step's logits agree: the native
-    step was rebuilt after each change."""
+    weight and eps replaced, cache rows kept or forked, the caches rewound or set up again.
+    Every change is followed by a step (and more come at random), and every step's logits
+    agree: the native step was rebuilt after each change, and after a fork it reads the shared
+    slots from each group's first row (the stock one reads every row's own), which hold what
+    ``shared_slots`` says they do."""
 
     @initialize(batch=st.sampled_from([1, 2, 3]))
     def build(self, batch: int) -> None:
@@ -394,9 +396,41 @@ class NativeStepMachine(RuleBasedStateMachine):
         self.batch = len(rows)
         self.step()
 
+    @rule(copies=st.integers(1, 3))
+    def fork(self, copies: int) -> None:
+        if self.batch * copies > 8:
+            return
+        filled = self.native.cache_state.size
+        for model in self.both():
+            model.fork_caches(copies)
+        self.batch *= copies
+        assert self.native.cache_state.shared_slots == ((copies, filled) if copies > 1 else None)
+        self.step()
+
+    @rule(back=st.integers(1, 6))
+    def rewind(self, back: int) -> None:
+        fill = max(1, self.native.cache_state.size - back)
+        for model in self.both():
+            model.rewind_caches(fill)
+        assert self.native.cache_state.shared_slots is None
+        self.step()
+
     @invariant()
     def same_fill(self) -> None:
         assert self.native.cache_state.size == self.stock.cache_state.size
+
+    @invariant()
+    def shared_slots_hold_the_groups_first_rows(self) -> None:
+        state = self.native.cache_state
+        if state.shared_slots is None:
+            return
+        group, slots = state.shared_slots
+        assert 0 < slots <= state.size and state.batch_size % group == 0
+        for cache in state.caches:
+            for buffer in (cache.k_cache, cache.v_cache):  # (b, h_kv, L, d)
+                shared = buffer[:, :, :slots]
+                leads = shared[::group].repeat_interleave(group, 0)
+                assert torch.equal(shared, leads)
 
 
 @needs_native_products
@@ -489,3 +523,53 @@ def test_a_copy_decodes_with_its_own_weights(copy_of, monkeypatch: pytest.Monkey
     _stock(twin, monkeypatch)
     torch.testing.assert_close(native, _teacher_forced_logits(twin, tokens, 3), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(native, _teacher_forced_logits(model, tokens, 3))
+
+
+def _poison_copies(model: TransformerDecoder, seed: int) -> None:
+    """Other values in every forked row's shared slots but each group's first: what reads them
+    gets logits of its own."""
+    group, slots = model.cache_state.shared_slots
+    gen = torch.Generator().manual_seed(seed)
+    for cache in model.kv_caches():
+        for buffer in (cache.k_cache, cache.v_cache):  # (b, h_kv, L, d)
+            copies = torch.arange(buffer.shape[0]) % group != 0
+            noise = torch.randn(buffer[copies, :, :slots].shape, generator=gen).to(buffer.dtype)
+            buffer[copies, :, :slots] = noise
+
+
+@needs_native_products
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("avx2", [False, True])
+def test_after_a_fork_decode_steps_read_the_shared_slots_once_for_each_group(
+    dtype: torch.dtype, avx2: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill 2 prompts, fork each 3 ways, then decode: the native step reads each group's
+    prompt slots from its first row (garbage in the other rows' copies changes no bit of the
+    logits), and its logits are, bit for bit, those of the same step reading every row's own
+    copy. Both builds: AVX-512 and AVX2."""
+    if avx2:
+        avx2_only(monkeypatch)
+    model = _native_model(dtype)
+    twin = copy.deepcopy(model)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(0, 61, (6, 4), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for copy_ in (model, twin):
+        copy_.setup_caches(2, 16)
+        with torch.inference_mode():
+            copy_(prompt)
+            copy_.fork_caches(3)
+    assert model.cache_state.shared_slots == (3, 5)
+    _poison_copies(model, seed=2)
+    twin.cache_state.shared_slots = None  # every row read from its own copy
+    misread = copy.deepcopy(model)
+    misread.cache_state.shared_slots = None  # the poisoned copies read
+    calls = _native_calls(monkeypatch)
+    for copy_ in (model, twin, misread):
+        with torch.inference_mode():
+            logits.append(torch.cat([copy_(steps[:, i : i + 1]) for i in range(steps.shape[1])], 1))
+    assert calls == [2] * 12  # native steps, every model
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(logits[2][::3], logits[1][::3])  # the groups' first rows: not poisoned
+    copies = torch.arange(6) % 3 != 0
+    assert not torch.isclose(logits[2][copies], logits[1][copies]).all(-1).any()  # each copy's: other values

@@ -118,9 +118,20 @@ struct Lanes<c10::BFloat16> : Simd {
   ATTN_AVX2 static __m256 round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bits(v), 16)); }
 };
 
+// A task's key or value rows: slot j's `step` values apart, the first `shared` read from the
+// group's first row (`lead`, equal values: attn::decode_attention's group and shared), the rest
+// from the task's own row.
+template <typename T>
+struct Slots {
+  const T* own;
+  const T* lead;
+  int64_t shared, step;
+  const T* row(int64_t j) const { return (j < shared ? lead : own) + j * step; }
+};
+
 // The queries [h0, h0 + G) of row m (G <= kQueries) over their kv head's keys and values.
 template <typename T>
-ATTN_AVX2 void attend(const T* q, const T* keys, const T* values, int64_t slot_step, const bool* allowed,
+ATTN_AVX2 void attend(const T* q, const Slots<T>& keys, const Slots<T>& values, const bool* allowed,
                       int64_t allowed_step, int64_t n, int64_t d, int64_t G, float scale, T* out,
                       std::vector<float>& scores) {
   using V = Lanes<T>;
@@ -141,7 +152,7 @@ ATTN_AVX2 void attend(const T* q, const T* keys, const T* values, int64_t slot_s
   std::fill(score, score + G * padded, minus_inf);
   for (int64_t j = 0; j < count; ++j) {
     if (!allowed[j * allowed_step]) continue;
-    const T* key = keys + j * slot_step;
+    const T* key = keys.row(j);
     __m256 acc[kQueries];
     for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += kLanes) {
@@ -173,7 +184,7 @@ ATTN_AVX2 void attend(const T* q, const T* keys, const T* values, int64_t slot_s
     for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t j = 0; j < count; ++j) {
       if (!allowed[j * allowed_step]) continue;
-      const __m256 v = V::load(values + j * slot_step + i);
+      const __m256 v = V::load(values.row(j) + i);
 #pragma GCC unroll 8
       for (int64_t g = 0; g < kQueries; ++g)
         if (g < G) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(score[g * padded + j]), v, acc[g]);
@@ -215,22 +226,29 @@ void swiglu(T* gate, const T* up, int64_t count) {
 // q (M, h, 1, d) contiguous; k and v (M, h_kv, n, d) with contiguous rows; allowed (1 or M, 1, 1,
 // n) bool. attn::decode_layers has checked every shape.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
-                     double scale) {
+                     double scale, int64_t group, int64_t shared) {
   const int64_t M = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1), n = k.size(2);
-  const int64_t group = heads / kv_heads, parts = (group + kQueries - 1) / kQueries;
+  const int64_t queries_per_kv = heads / kv_heads, parts = (queries_per_kv + kQueries - 1) / kQueries;
   at::Tensor out = at::empty({M, heads, 1, d}, q.options());
   const int64_t allowed_row = allowed.size(0) == 1 ? 0 : allowed.stride(0), allowed_step = allowed.stride(3);
   const auto run = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const T *queries = q.data_ptr<T>(), *keys = k.data_ptr<T>(), *vals = v.data_ptr<T>();
     T* result = out.data_ptr<T>();
+    // A group's rows one kv head after another (the shared rows stay in L2), as
+    // decode_attention.cpp orders them.
     at::parallel_for(0, M * kv_heads * parts, 1, [&](int64_t t0, int64_t t1) {
       thread_local std::vector<float> scores;
       for (int64_t task = t0; task < t1; ++task) {
-        const int64_t m = task / (kv_heads * parts), kvh = task / parts % kv_heads, part = task % parts;
-        const int64_t h0 = kvh * group + part * kQueries, G = std::min(kQueries, group - part * kQueries);
-        attend<T>(queries + (m * heads + h0) * d, keys + m * k.stride(0) + kvh * k.stride(1),
-                  vals + m * v.stride(0) + kvh * v.stride(1), k.stride(2), allowed.data_ptr<bool>() + m * allowed_row,
+        const int64_t pair = task / parts, in_group = pair % (kv_heads * group), part = task % parts;
+        const int64_t m = pair / (kv_heads * group) * group + in_group % group, kvh = in_group / group;
+        const int64_t lead = m - m % group;
+        const int64_t h0 = kvh * queries_per_kv + part * kQueries, G = std::min(kQueries, queries_per_kv - part * kQueries);
+        const Slots<T> key_rows{keys + m * k.stride(0) + kvh * k.stride(1), keys + lead * k.stride(0) + kvh * k.stride(1),
+                                shared, k.stride(2)};
+        const Slots<T> value_rows{vals + m * v.stride(0) + kvh * v.stride(1),
+                                  vals + lead * v.stride(0) + kvh * v.stride(1), shared, v.stride(2)};
+        attend<T>(queries + (m * heads + h0) * d, key_rows, value_rows, allowed.data_ptr<bool>() + m * allowed_row,
                   allowed_step, n, d, G, static_cast<float>(scale), result + (m * heads + h0) * d, scores);
       }
     });

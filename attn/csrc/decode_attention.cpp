@@ -34,6 +34,13 @@
 // Llama-3.2-1B layer (32 heads on 8 kv heads, 128 dims, 4 rows) 0.68.
 // An earlier variant that read each row once for up to 4 queries was no faster on a Xeon 6/167
 // (206 against 196 us a layer in bf16); this one is measured on Zen 4 only.
+// Rows that share slots (group, shared: a GRPO group after fork_caches, whose rows hold copies of
+// their prompt's keys and values) read those slots from the group's first row, and a group's
+// rows run one kv head after another, so each shared row comes from memory once for the group and
+// from L2 for the rest; the values, and so every bit of the output, are those of the copies.
+// 16 rows in 2 groups of 8, bf16, 512 shared slots of 576, 30 layers' caches in turn, 2 threads
+// (Zen 4): 175 against 255 us a layer; the shared call then runs at the kernel's arithmetic,
+// no longer at the read bandwidth.
 // Built on first use by attn/native.py, which checks the CPU has AVX-512 (F, BW, VL).
 
 #include <ATen/Parallel.h>
@@ -138,14 +145,30 @@ ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, in
   return slots;
 }
 
+// A task's key or value rows: slot j's row is `step` values apart, the first `shared` slots read
+// from the group's first row (`lead`: equal values, a copy of it in each row of the group after
+// fork_caches), the rest from the task's own row (`own`).
+template <typename T>
+struct Slots {
+  const T* own = nullptr;
+  const T* lead = nullptr;
+  int64_t shared = 0, step = 0;
+  const T* row(int64_t j) const { return (j < shared ? lead : own) + j * step; }
+  // The row to prefetch for slot j, or null: none, or a shared row the task before read already.
+  const T* prefetched(int64_t j, const Slots& before) const {
+    if (own == nullptr || (j < shared && lead == before.lead)) return nullptr;
+    return row(j);
+  }
+};
+
 // sums[c x vectors + i] = the sum over slots j < L of w[c x w_step + j] v_j (vector i of the
 // widened row), for C queries: each value row is read and widened once for all of them. A zero
 // weight (a masked slot, or one too small to count) leaves the sums as they are, so a masked
 // slot's NaN never enters. Loads > 0: the sums stay in registers. next_v: the values the thread
-// reads next, a row prefetched into L2 each slot (or null).
+// reads next, a row prefetched into L2 each slot (where it has one).
 template <typename T, int Loads, int C>
-ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int64_t d, const float* w, int64_t w_step,
-                                     __m512* sums, const T* next_v) {
+ATTN_AVX512 inline void weigh_values(const Slots<T>& v, int64_t L, int64_t d, const float* w, int64_t w_step,
+                                     __m512* sums, const Slots<T>& next_v) {
   using R = Rows<T>;
   const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
   constexpr int64_t kVectors = Loads > 0 ? Loads * R::kVectors : kMaxHeadDim / kLanes;
@@ -153,9 +176,9 @@ ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int6
 #pragma GCC unroll 32
   for (int64_t i = 0; i < C * kVectors; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    if (next_v != nullptr)
+    if (const T* next = next_v.prefetched(j, v))
       for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next_v + j * v_step) + byte, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next) + byte, _MM_HINT_T1);
     float weight[C];
     bool all = true, any = false;
 #pragma GCC unroll 4
@@ -165,13 +188,13 @@ ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int6
       any |= weight[c] != 0.0f;
     }
     if (all) {
-      widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+      widen_row(v.row(j), loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
 #pragma GCC unroll 4
         for (int64_t c = 0; c < C; ++c)
           acc[c * kVectors + i] = _mm512_fmadd_ps(_mm512_set1_ps(weight[c]), value, acc[c * kVectors + i]);
       });
     } else if (any) {
-      widen_row(v + j * v_step, loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
+      widen_row(v.row(j), loads, d, [&](int64_t i, __m512 value) ATTN_AVX512 {
 #pragma GCC unroll 4
         for (int64_t c = 0; c < C; ++c)
           if (weight[c] != 0.0f)
@@ -185,12 +208,12 @@ ATTN_AVX512 inline void weigh_values(const T* v, int64_t v_step, int64_t L, int6
 
 // weigh_values for `chunk` queries, 1 to C: C a constant for each.
 template <typename T, int Loads, int C>
-ATTN_AVX512 inline void weigh_values_of(int64_t chunk, const T* v, int64_t v_step, int64_t L, int64_t d,
-                                        const float* w, int64_t w_step, __m512* sums, const T* next_v) {
+ATTN_AVX512 inline void weigh_values_of(int64_t chunk, const Slots<T>& v, int64_t L, int64_t d, const float* w,
+                                        int64_t w_step, __m512* sums, const Slots<T>& next_v) {
   if constexpr (C > 1) {
-    if (chunk < C) return weigh_values_of<T, Loads, C - 1>(chunk, v, v_step, L, d, w, w_step, sums, next_v);
+    if (chunk < C) return weigh_values_of<T, Loads, C - 1>(chunk, v, L, d, w, w_step, sums, next_v);
   }
-  weigh_values<T, Loads, C>(v, v_step, L, d, w, w_step, sums, next_v);
+  weigh_values<T, Loads, C>(v, L, d, w, w_step, sums, next_v);
 }
 
 // A task: the queries of one batch row that share a kv head (its group of query heads, each at
@@ -202,12 +225,11 @@ struct Task {
   const bool* allowed[kMaxQueries];  // each query's mask row, `allowed_step` bools a slot
   T* out[kMaxQueries];
   int64_t queries;
-  const T* k;
-  const T* v;
-  int64_t k_step, v_step, allowed_step, L, d;
+  Slots<T> k, v;
+  int64_t allowed_step, L, d;
   float scale;
-  const T* next_k;  // the keys and values the thread reads next, prefetched into L2 (keys while
-  const T* next_v;  // the scores run, values while the value sums do); or null
+  Slots<T> next_k;  // the keys and values the thread reads next, prefetched into L2 (keys while
+  Slots<T> next_v;  // the scores run, values while the value sums do); own null where none
 };
 
 // A task's queries: out = softmax(scale q . k_j over allowed j) . v_j, each rounded once to T.
@@ -224,9 +246,7 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
   using R = Rows<T>;
   // Loads > 0: d is Loads x kValues, known to the compiler (64 and 128 dims).
   const int64_t n = task.queries, d = Loads > 0 ? Loads * R::kValues : task.d, allowed_step = task.allowed_step;
-  const T* const k = task.k;
-  const T* const v = task.v;
-  const int64_t k_step = task.k_step, v_step = task.v_step;
+  const Slots<T>& k = task.k;
   const float scale = task.scale;
   const int64_t loads = Loads > 0 ? Loads : (d + R::kValues - 1) / R::kValues, vectors = loads * R::kVectors;
   const int64_t width = task.L + kLanes;  // a query's scores
@@ -264,7 +284,7 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
       for (int64_t j = 0; j < kLanes; ++j) {
         dots[j] = _mm512_setzero_ps();
         if (j >= slots) continue;
-        const uint16_t* key = reinterpret_cast<const uint16_t*>(k + (j0 + j) * k_step);
+        const uint16_t* key = reinterpret_cast<const uint16_t*>(k.row(j0 + j));
 #pragma GCC unroll 8
         for (int64_t c = 0; c < loads; ++c) {
           const int64_t count = std::min<int64_t>(32, d - c * 32);
@@ -280,7 +300,7 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
       for (int64_t j = 0; j < kLanes; ++j) {
         dots[j] = _mm512_setzero_ps();
         if (j >= slots) continue;
-        widen_row(k + (j0 + j) * k_step, loads, d, [&](int64_t i, __m512 key) ATTN_AVX512 {
+        widen_row(k.row(j0 + j), loads, d, [&](int64_t i, __m512 key) ATTN_AVX512 {
           dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * kLanes), key, dots[j]);
         });
       }
@@ -303,11 +323,10 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
       else
         score(g, j0, slots);
     }
-    if (task.next_k != nullptr)
-      for (int64_t j = j0; j < j0 + slots; ++j)
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(task.next_k + j * task.k_step) + byte, _MM_HINT_T1);
-        }
+    for (int64_t j = j0; j < j0 + slots; ++j)
+      if (const T* next = task.next_k.prefetched(j, k))
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next) + byte, _MM_HINT_T1);
   }
   // Weights exp(score - peak): 0 past a query's span, up to the task's; their totals.
   float total[kMaxQueries];
@@ -332,8 +351,8 @@ ATTN_AVX512_BF16 void attend(const Task<T>& task, float* work) {
   for (int64_t g0 = 0; g0 < n; g0 += kChunk) {
     const int64_t chunk = std::min(kChunk, n - g0);
     __m512 sums[kChunk * kMaxVectors];
-    const T* next_v = g0 == 0 ? task.next_v : nullptr;  // once a task
-    weigh_values_of<T, Loads, kChunk>(chunk, v, v_step, L, d, scores + g0 * width, width, sums, next_v);
+    const Slots<T> next_v = g0 == 0 ? task.next_v : Slots<T>{};  // once a task
+    weigh_values_of<T, Loads, kChunk>(chunk, task.v, L, d, scores + g0 * width, width, sums, next_v);
     for (int64_t c = 0; c < chunk; ++c) {
       const int64_t g = g0 + c;
       T* out = task.out[g];
@@ -366,9 +385,9 @@ auto pick(int64_t d) {
 
 template <typename T>
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed, float scale,
-               bool widen, at::Tensor& out) {
+               bool widen, int64_t group, int64_t shared, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), d = q.size(3);
-  const int64_t H_kv = k.size(1), L = k.size(2), group = H / H_kv, per_kv = group * S;
+  const int64_t H_kv = k.size(1), L = k.size(2), heads_per_kv = H / H_kv, per_kv = heads_per_kv * S;
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
@@ -385,29 +404,39 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const int64_t fewest = (per_kv + kMaxQueries - 1) / kMaxQueries;
   const int64_t wanted = (at::get_num_threads() + rows - 1) / rows;
   const int64_t parts = std::min(per_kv, std::max(fewest, wanted)), per_part = (per_kv + parts - 1) / parts;
-  auto rows_of = [&](int64_t t, const T** keys, const T** values) {
-    const int64_t b = t / parts / H_kv, kv = t / parts % H_kv;
-    *keys = k_data + b * k.stride(0) + kv * k.stride(1);
-    *values = v_data + b * v.stride(0) + kv * v.stride(1);
+  // Task t's batch row and kv head: a group's rows run one kv head after another, so that the
+  // rows of its shared slots, read once from memory, are in L2 for the group's next row.
+  auto row_and_head = [&](int64_t t) {
+    const int64_t pair = t / parts, in_group = pair % (H_kv * group);
+    return std::pair<int64_t, int64_t>{pair / (H_kv * group) * group + in_group % group, in_group / group};
+  };
+  auto rows_of = [&](int64_t t, Slots<T>* keys, Slots<T>* values) {
+    const auto [b, kv] = row_and_head(t);
+    const int64_t lead = b - b % group;
+    *keys = {k_data + b * k.stride(0) + kv * k.stride(1), k_data + lead * k.stride(0) + kv * k.stride(1), shared,
+             k.stride(2)};
+    *values = {v_data + b * v.stride(0) + kv * v.stride(1), v_data + lead * v.stride(0) + kv * v.stride(1), shared,
+               v.stride(2)};
   };
   at::parallel_for(0, rows * parts, /*grain_size=*/1, [&](int64_t t0, int64_t t1) {
     std::vector<float> work(per_part * (L + kLanes) + per_part * (d + 2 * kLanes));  // see attend
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / parts / H_kv, kv = t / parts % H_kv, part = t % parts;
+      const auto [b, kv] = row_and_head(t);
+      const int64_t part = t % parts;
       Task<T> task;
       rows_of(t, &task.k, &task.v);
-      task.k_step = k.stride(2), task.v_step = v.stride(2), task.allowed_step = allowed.stride(3);
+      task.allowed_step = allowed.stride(3);
       task.L = L, task.d = d, task.scale = scale;
       const int64_t first = part * per_part, last = std::min(per_kv, first + per_part);
       task.queries = std::max<int64_t>(0, last - first);
       for (int64_t g = 0; g < task.queries; ++g) {
-        const int64_t h = kv * group + (first + g) / S, i = (first + g) % S;
+        const int64_t h = kv * heads_per_kv + (first + g) / S, i = (first + g) % S;
         task.q[g] = q_data + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
         task.allowed[g] = m_data + b * allowed.stride(0) + h * allowed.stride(1) + i * allowed.stride(2);
         task.out[g] = o_data + ((b * H + h) * S + i) * d;
       }
       // The next task's rows, where it reads other ones (another row or kv head).
-      task.next_k = task.next_v = nullptr;
+      task.next_k = task.next_v = Slots<T>{};
       if (t + 1 < t1 && (t + 1) / parts != t / parts) rows_of(t + 1, &task.next_k, &task.next_v);
       if (task.queries > 0) run(task, work.data());
     }
@@ -419,7 +448,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 namespace attn {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
-                            double scale, bool widen) {
+                            double scale, bool widen, int64_t group, int64_t shared) {
   TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl"),
               "attn::decode_attention needs a CPU with AVX-512 (F, BW and VL)");
@@ -440,6 +469,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(d > 0 && d % kLanes == 0 && d <= kMaxHeadDim, "attn::decode_attention takes a head dim that is a "
               "multiple of ", kLanes, " up to ", kMaxHeadDim, ", got ", d);
   TORCH_CHECK(L > 0, "attn::decode_attention: the cache has no slots (k ", k.sizes(), ")");
+  check_shared_slots("attn::decode_attention", B, group, shared);
   TORCH_CHECK(attn_mask.scalar_type() == at::kBool, "attn::decode_attention takes a bool mask, got ",
               attn_mask.scalar_type());
   const int64_t shape[4] = {B, H, S, L};
@@ -458,11 +488,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({B, H, S, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const float factor = static_cast<float>(scale);
   if (dtype == at::kFloat) {
-    attention<float>(qr, kr, vr, allowed, factor, widen, out);
+    attention<float>(qr, kr, vr, allowed, factor, widen, group, shared, out);
   } else if (dtype == at::kBFloat16) {
-    attention<c10::BFloat16>(qr, kr, vr, allowed, factor, widen, out);
+    attention<c10::BFloat16>(qr, kr, vr, allowed, factor, widen, group, shared, out);
   } else {
-    attention<c10::Half>(qr, kr, vr, allowed, factor, widen, out);
+    attention<c10::Half>(qr, kr, vr, allowed, factor, widen, group, shared, out);
   }
   return out;
 }

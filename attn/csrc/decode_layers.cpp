@@ -163,15 +163,17 @@ struct Steps {
   void (*rotate)(T*, int64_t, int64_t, int64_t, const float*, const float*, int64_t);
   void (*add)(const T*, const T*, T*, int64_t);
   void (*swiglu)(T*, const T*, int64_t);
-  at::Tensor (*attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+  at::Tensor (*attention)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                          int64_t);
 
   static Steps of(Kernels kernels) {
     if (kernels.avx2)
       return {attn::avx2::rms_norm<T>, attn::avx2::rotate<T>, attn::avx2::add<T>, attn::avx2::swiglu<T>,
               attn::avx2::attention};
     return {::rms_norm<T>, ::rotate<T>, ::add<T>, ::swiglu<T>,
-            [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale) {
-              return attn::decode_attention(q, k, v, mask, scale);
+            [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
+               int64_t group, int64_t shared) {
+              return attn::decode_attention(q, k, v, mask, scale, /*widen=*/false, group, shared);
             }};
   }
 };
@@ -189,7 +191,8 @@ struct Layer {
 
 template <typename T>
 at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, const at::Tensor& allowed,
-                     const at::Tensor& rotation, float eps, double scale, Kernels kernels) {
+                     const at::Tensor& rotation, float eps, double scale, int64_t group, int64_t shared,
+                     Kernels kernels) {
   const Steps<T> steps = Steps<T>::of(kernels);
   const at::TensorList w = layer.w;
   const at::Tensor &k_cache = layer.k_cache, &v_cache = layer.v_cache;
@@ -214,7 +217,8 @@ at::Tensor run_layer(const at::Tensor& x, const Layer& layer, int64_t slot, cons
   write_slot<T>(v.data_ptr<T>(), v_cache, slot);
   const int64_t span = allowed.size(-1);
   const at::Tensor attended = steps.attention(q.view({M, heads, 1, d}), k_cache.narrow(2, 0, span),
-                                              v_cache.narrow(2, 0, span), allowed, scale);  // (M, h, 1, d)
+                                              v_cache.narrow(2, 0, span), allowed, scale, group,
+                                              shared);  // (M, h, 1, d)
   const at::Tensor out_proj = product(attended.view({M, heads * d}), w[4], layer.bias[3], kernels);  // (M, e)
   at::Tensor h1 = at::empty({M, e}, options);
   steps.add(h0.data_ptr<T>(), out_proj.data_ptr<T>(), h1.data_ptr<T>(), M * e);
@@ -305,7 +309,7 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
                          int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps,
-                         bool avx2) {
+                         bool avx2, int64_t group, int64_t shared) {
   TORCH_CHECK(avx2 || __builtin_cpu_supports("avx512bf16"), "attn::decode_layers needs a CPU with AVX512-BF16 "
               "(avx2=True runs its AVX2 build)");
   TORCH_CHECK(!avx2 || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")),
@@ -351,6 +355,9 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
   const int64_t span = mask.size(-1);
   TORCH_CHECK(slot < span && span <= L, "attn::decode_layers: the mask covers ", span, " slots; it must cover slot ",
               slot, " and at most the cache's ", L);
+  check_shared_slots("attn::decode_layers", M, group, shared);
+  TORCH_CHECK(slot >= shared, "attn::decode_layers writes slot ", slot, ", one of the ", shared, " slots its rows "
+              "share (group ", group, "): each row writes its own token there, so they would no longer be equal");
   TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous() && rotation.device().is_cpu() &&
                   (rotation.numel() == 2 * d || rotation.numel() == 2 * M * d),
               "attn::decode_layers: rotation must be contiguous fp32 cos and signed sin rows, (2, 1, ", d, ") or (2, ",
@@ -366,8 +373,8 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10:
   at::Tensor h = x;
   for (const Layer& layer : layers) {
     h = dtype == at::kFloat
-            ? run_layer<float>(h, layer, slot, allowed, rotation, epsilon, scale, kernels)
-            : run_layer<c10::BFloat16>(h, layer, slot, allowed, rotation, epsilon, scale, kernels);
+            ? run_layer<float>(h, layer, slot, allowed, rotation, epsilon, scale, group, shared, kernels)
+            : run_layer<c10::BFloat16>(h, layer, slot, allowed, rotation, epsilon, scale, group, shared, kernels);
   }
   if (final_norm.has_value()) {  // in place: h is the last layer's own output
     const float final_epsilon = static_cast<float>(final_eps);

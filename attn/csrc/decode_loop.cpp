@@ -73,7 +73,7 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
                     const at::Tensor& logprobs, const c10::optional<at::Tensor>& all_logits,
                     const at::Tensor& stop_ids, int64_t pad_id, double temperature, int64_t top_k,
                     const c10::optional<at::Generator>& generator, int64_t first_step, int64_t last_step,
-                    bool avx2) {
+                    bool avx2, int64_t group, int64_t shared) {
   const auto dtype = embedding.scalar_type();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == dtype && logits.is_contiguous() && logits.device().is_cpu(),
               "attn::decode_loop: logits must be a contiguous (b, v) CPU tensor of the embedding's dtype ", dtype,
@@ -129,6 +129,9 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
   for (int64_t r = 0; r < b; ++r)
     TORCH_CHECK(0 <= pos[r] && pos[r] + steps - 1 < cos_sin.size(1), "attn::decode_loop: row ", r, " reaches position ",
                 pos[r] + steps - 1, ", past the RoPE table's ", cos_sin.size(1));
+  check_shared_slots("attn::decode_loop", b, group, shared);
+  TORCH_CHECK(first_slot >= shared, "attn::decode_loop: the steps write slots from ", first_slot, ", inside the ",
+              shared, " slots the rows share (group ", group, "): each row writes its own token there");
   TORCH_CHECK(0 <= first_slot && first_slot + steps - 1 < n, "attn::decode_loop: the steps write slots ", first_slot,
               " to ", first_slot + steps - 1, ", past the ", n, " slots attended");
   const std::vector<int64_t> stops(stop_ids.data_ptr<int64_t>(), stop_ids.data_ptr<int64_t>() + stop_ids.numel());
@@ -179,7 +182,8 @@ int64_t decode_loop(const at::Tensor& logits, const at::Tensor& embedding, const
                   static_cast<const char*>(embedding.data_ptr()) + next[r] * row_bytes, row_bytes);
     }
     const at::Tensor h = decode_layers(x, weights, biases, k_caches, v_caches, slot, mask, rotation, eps, scale,
-                                       amx_from_rows, final_norm, final_eps, avx2);  // (b, 1, e), normed
+                                       amx_from_rows, final_norm, final_eps, avx2, group,
+                                       shared);  // (b, 1, e), normed
     current = layer_product(h.view({b, e}), head, amx_from_rows, avx2);  // (b, v)
     fill.add_(1);
     for (int64_t r = 0; r < b; ++r) pos[r] += 1;

@@ -7,6 +7,7 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
 #include <vector>
@@ -43,20 +44,31 @@ std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::
 std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
                                          at::ArrayRef<c10::optional<at::Tensor>> biases);
 
+// Rows that share cache slots (a GRPO group after fork_caches): rows b hold in their first
+// `shared` slots the keys and values of row b - b % group, so a decode reads those from that row,
+// once for the group. Raises unless group divides the rows and shared >= 0.
+inline void check_shared_slots(const char* name, int64_t rows, int64_t group, int64_t shared) {
+  TORCH_CHECK(group >= 1 && rows % group == 0 && shared >= 0, name, ": group must divide the ", rows,
+              " rows and shared be >= 0 (rows b share their first `shared` cache slots with row b - b % group), "
+              "got group ", group, " and shared ", shared);
+}
+
 // softmax(scale q k^T, masked) v: q (b, h, s, d), k and v (b, h_kv, L, d), a bool mask that
 // broadcasts to (b, h, s, L); returns (b, h, s, d) contiguous (decode_attention.cpp). widen: bf16
 // scores from rows widened to fp32, as on a CPU without AVX512-BF16, where one has it (tests).
+// group, shared: rows that share slots (check_shared_slots), read from their group's first row.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
-                            double scale, bool widen = false);
+                            double scale, bool widen = false, int64_t group = 1, int64_t shared = 0);
 
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
 // it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
-// products and the AVX2 code below, for a CPU without AVX512-BF16.
+// products and the AVX2 code below, for a CPU without AVX512-BF16. group, shared: the caches'
+// rows that share slots, as attn::decode_attention takes them.
 at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& mask, const at::Tensor& rotation, double eps, double scale,
                          int64_t amx_from_rows, const c10::optional<at::Tensor>& final_norm, double final_eps,
-                         bool avx2);
+                         bool avx2, int64_t group = 1, int64_t shared = 0);
 
 // x (M, K) by one bias-free weight with the kernel attn::decode_layers picks for its products
 // (decode_layers.cpp); attn::decode_loop's output layer.
@@ -74,9 +86,10 @@ void add(const T* a, const T* b, T* out, int64_t count);
 template <typename T>
 void swiglu(T* gate, const T* up, int64_t count);
 // softmax(scale q k^T, masked) v for one query a head: q (b, h, 1, d) contiguous, k and v (b, h_kv,
-// n, d) with contiguous rows, allowed (1 or b, 1, 1, n) bool; (b, h, 1, d).
+// n, d) with contiguous rows, allowed (1 or b, 1, 1, n) bool; (b, h, 1, d). group, shared: as
+// attn::decode_attention takes them.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
-                     double scale);
+                     double scale, int64_t group, int64_t shared);
 }  // namespace avx2
 
 }  // namespace attn
