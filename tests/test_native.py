@@ -791,18 +791,22 @@ def _float64_layer(x, weights, biases, k_cache, v_cache, slot, mask, rotation, e
     final_norm=st.booleans(),
     threads=st.sampled_from([1, 2]),
     avx2=st.booleans(),  # the AVX2 build (attn::avx2_linear, avx2_layers.cpp), as on a CPU without AVX-512
+    sharing=st.integers(1, 4),  # rows in groups that share their first slots (a fork), where it divides the rows
+    shared_at=st.floats(0, 1),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=examples(80), deadline=None)
 def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     dtype, batch, num_layers, kv_heads, group, head_dim, embed_dim, hidden_dim, length, slot_at, span_at, per_row,
-    biases, qk_norm, final_norm, threads, avx2, seed,
+    biases, qk_norm, final_norm, threads, avx2, sharing, shared_at, seed,
 ):  # fmt: skip
     """The layers' output is the float64 layers' in turn, each rounded where eager rounds, within
     the products' and attention's own fp32 rounding (which can flip a bf16 rounding on the way),
     and then, with ``final_norm``, the model's final RMSNorm of it (an eps of its own); each
     layer's cache gets its key and value for this token at the slot, and every other slot is
-    unchanged bit for bit. Both builds: AVX-512 and AVX2."""
+    unchanged bit for bit. Both builds: AVX-512 and AVX2. Rows in groups whose first slots copy
+    the group's first row (``group``, ``shared``) read them from that row: the float64 layers
+    read each row's copy, and the op's call gets other values in the copies."""
     kind, heads = _DTYPES[dtype], kv_heads * group
     widths = (embed_dim, heads * head_dim, hidden_dim)
     if avx2 and batch > AVX2_LINEAR_MAX_ROWS:
@@ -816,6 +820,10 @@ def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
     x = layers[0][0]
     gen = torch.Generator().manual_seed(seed + 1)
     slot = int(slot_at * length)
+    sharing = sharing if batch % sharing == 0 else 1
+    shared = int(shared_at * slot)  # slots below the one this token writes
+    for cache in (c for layer in layers for c in layer[3]):  # (b, h_kv, L, d)
+        cache[:, :, :shared] = cache[::sharing, :, :shared].repeat_interleave(sharing, 0)
     span = slot + 1 + int(span_at * (length - slot - 1))
     mask = torch.rand((batch, 1, span) if per_row else (1, span), generator=gen) < 0.6
     mask[..., slot] = True  # a query always sees its own slot
@@ -832,11 +840,15 @@ def test_decode_layers_equal_float64_layers_and_write_only_their_slot(
         normed = (expected * torch.rsqrt(expected.pow(2).mean(-1, keepdim=True) + 1e-6)).to(kind).double()
         expected = (norm_weight.double() * normed).to(kind).double()
     k_caches, v_caches = [layer[3][0] for layer in layers], [layer[3][1] for layer in layers]
+    copies = torch.arange(batch) % sharing != 0
+    for cache in k_caches + v_caches:
+        cache[copies, :, :shared] = torch.randn(cache[copies, :, :shared].shape, generator=gen).to(kind)
     before = [cache.clone() for cache in k_caches + v_caches]
     torch.set_num_threads(threads)
     got = torch.ops.attn.decode_layers(
         x, [w for layer in layers for w in layer[1]], [b for layer in layers for b in layer[2]], k_caches, v_caches,
         torch.tensor([slot]), mask, rotation, 1e-5, scale, attn.native.amx_from_rows(), norm_weight, 1e-6, avx2,
+        sharing, shared,
     )  # fmt: skip
     assert got.shape == x.shape and got.dtype == kind
     # bf16: a sum of another order can round an intermediate the other way, and that half step
