@@ -435,6 +435,23 @@ def test_workloads_run_both_sides_and_check_them(capsys: pytest.CaptureFixture[s
     assert "scoring: 2 questions x 3 choices, context 9, continuation 2" in table
 
 
+def test_bf16_scoring_is_checked_against_an_fp32_copy() -> None:
+    """In bf16 the two scoring paths' kernels differ by more than fp32's tolerance; each is
+    checked against the fp32 copy's scores instead, and the detail says how far each is."""
+    from attn.bench.workloads import WorkloadSpec, run_workloads
+
+    spec = WorkloadSpec(
+        config=attn.DecoderConfig(max_seq_len=8, **TINY),
+        grpo=(1, 2, 5, 2),
+        scoring=(3, 3, 9, 3),
+        repeats=1,
+        dtype=torch.bfloat16,
+    )
+    scoring = run_workloads(spec)[1]
+    assert scoring.agree, scoring.detail
+    assert "from an fp32 copy's scores: ours" in scoring.detail
+
+
 def test_workloads_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--workloads", "--config", "tiny", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

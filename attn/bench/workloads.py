@@ -11,11 +11,15 @@ each timed against the way recipes run them today, side by side in one process.
 
 Both sides use the same weights, eager, the same threads; each repeat runs both, alternating,
 and the figures are medians. Outputs are checked against each other: greedy tokens equal
-(grpo, with a greedy run), scores within fp32 tolerance (scoring).
+(grpo, with a greedy run); scores within fp32 tolerance of each other in fp32, and in a lower
+precision each side's no further from an fp32 copy's scores than twice the other's (two bf16
+kernels differ by a tenth of a nat on 4-token continuations: neither is the exact one), with the
+same choice on every question (scoring).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,8 +119,16 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
     ours, theirs = alternate(shared, full, spec.repeats)
     got, expected = torch.tensor(shared()), torch.tensor(full())
     error = float((got - expected).abs().max())
-    close = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
     same_choice = bool((got.argmax(-1) == expected.argmax(-1)).all())
+    detail = f"largest score difference {error:.2e}; same choice on every question: {same_choice}"
+    if next(model.parameters()).dtype == torch.float32:
+        close = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    else:  # both against the fp32 model: neither side's kernels are the exact ones
+        wide = copy.deepcopy(model).float()
+        exact = torch.tensor([_per_question_full_passes(wide, c, k) for c, k in questions])
+        ours_error, theirs_error = (float((side - exact).abs().max()) for side in (got, expected))
+        close = ours_error <= 2 * theirs_error + 1e-4 and theirs_error <= 2 * ours_error + 1e-4
+        detail += f"; from an fp32 copy's scores: ours {ours_error:.2e}, theirs {theirs_error:.2e}"
     return Comparison(
         name="scoring",
         shape=f"{Q} questions x {K} choices, context {C}, continuation {m}",
@@ -125,7 +137,7 @@ def _scoring(model: TransformerDecoder, spec: WorkloadSpec, generator: torch.Gen
         ours_s=ours,
         theirs_s=theirs,
         agree=close and same_choice,
-        detail=f"largest score difference {error:.2e}; same choice on every question: {same_choice}",
+        detail=detail,
     )
 
 
