@@ -68,11 +68,14 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   some 1,900 small ATen ops (Zen 1); with the AVX2 build forced on a Zen 4 (these probes
   answering no AVX-512), a 64-token bf16 generation took 0.53-0.55 of the time of the modules'
   steps at batch 1 on 2 threads, 0.60 on one, 0.89 at 16 rows; fp32 0.71 at batch 1.
+  ``group`` and ``shared`` go to its attention (both builds); a step that would write a shared
+  slot is refused.
 
 - ``attn::decode_loop`` (``decode_loop.cpp``): ``attn.generate``'s decode steps, many a call:
   sampling with the Python sampler's ATen calls, the embedding, ``attn::decode_layers`` with the
   final norm, the output layer's product (``attn.native_loop``). At batch 1 the Python around a
-  step's kernels was 1.1-1.3 ms of a 10-12 ms step (SmolLM2-135M shape, bf16, Zen 4).
+  step's kernels was 1.1-1.3 ms of a 10-12 ms step (SmolLM2-135M shape, bf16, Zen 4). ``group``
+  and ``shared``: passed to every step's ``attn::decode_layers``.
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
 input checks), ``csrc/layer_steps.h`` (the decode layers' norms, RoPE, residuals and SwiGLU, built

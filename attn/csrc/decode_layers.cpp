@@ -24,6 +24,10 @@
 // attn::avx2_linear's and the work between them, attention included, is avx2_layers.cpp's: the
 // same steps and roundings with 8 fp32 lanes (Steps below picks one set of the two).
 //
+// With group and shared (rows after fork_caches: CacheState.shared_slots) the attention reads each
+// row's first `shared` slots from its group's first row (check_shared_slots, kernels.h); a call
+// whose slot is one of those is refused, as each row would write its own token there.
+//
 // Every input of every layer is checked before any cache is written: a call that raises leaves
 // the caches as they were. Built on first use by attn/native.py, which checks the CPU.
 
