@@ -220,7 +220,7 @@ class MultiHeadAttention(nn.Module):
         if plan.slots is not None and plan.mask is not None:  # a cached pass always has a mask
             k, v = self.kv_cache.write(plan.slots, k, v, span=plan.mask.shape[-1])  # each (b, h_kv, L, d)
             q = cast(q, k.dtype)
-        return self.attend(q, k, v, plan.mask, x.dtype, plan.kernel)
+        return self.attend(q, k, v, plan.mask, x.dtype, plan.kernel, plan.shared)
 
     def project(self, x: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of ``x`` (b, s, e), rotated by the plan's ``rotation``
@@ -243,17 +243,19 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None,
         dtype: torch.dtype,
         kernel: Kernel,
+        shared: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """``q`` (b, h, s, d) over ``k``, ``v`` (b, h_kv, L, d) under ``mask`` ((b, s, L) or (s,
         L) bool; None: causal, s == L) with ``kernel`` (``attn.plan.Kernel``), through the
-        output projection: (b, s, e) in ``dtype``."""
+        output projection: (b, s, e) in ``dtype``. ``shared``: the plan's rows that share
+        slots (``PassPlan.shared``), which parity mode's kernel reads once for each group."""
         b, _, s, _ = q.shape
         gqa = self.num_heads != self.num_kv_heads
         attn_mask = None if mask is None else mask.unsqueeze(-3) if mask.dim() == 3 else mask  # (b, 1, s, L) or (s, L)
         if kernel == "softcap":
             out = softcapped_attention(q, k, v, attn_mask, self.scale, self.softcap)
         elif kernel == "exact":
-            out = exact_attention(q, k, v, attn_mask, self.scale)
+            out = exact_attention(q, k, v, attn_mask, self.scale, shared)
         elif gqa and s == 1 and mask is not None and not torch.compiler.is_compiling() and _folds(q):
             # One query per head: the heads of a group become its kv head's queries (compiled
             # steps have their own kernel).

@@ -306,10 +306,6 @@ class CacheState(nn.Module):
             filled = self.size
             self.shared_slots = (group, filled) if filled > 0 else None
 
-    def shared_args(self) -> tuple[int, int]:
-        """``(group, shared)`` as ``attn::decode_attention`` takes them: ``(1, 0)`` for none."""
-        return self.shared_slots or (1, 0)
-
 
 class KVCache(nn.Module):
     """One layer's keys and values, written in place at the slots a pass plan gives.

@@ -136,7 +136,7 @@ class NativeLoop:
             first_step,
             last_step,
             avx2_layers(),
-            *self.model.cache_state.shared_args(),
+            *(self.model.cache_state.shared_slots or (1, 0)),  # the rows a fork left equal
         )
         self.model_steps += ran
         if self.stats is not None:

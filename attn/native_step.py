@@ -110,7 +110,6 @@ class NativeStep:
 
     def __init__(self, model: nn.Module) -> None:
         self._watch = _Watch(model)
-        self._state = model.cache_state  # its shared_slots: the rows a fork left equal
         self.runs: list[_Run] = []
         for layer, local in zip(model.layers, model.local_layers, strict=True):
             parts = layer.native_parts()
@@ -160,7 +159,7 @@ class NativeStep:
         ``plan.slots``; ``rotations``: the plan's and its local part's, contiguous."""
         local = plan.local or plan
         amx, avx2 = amx_from_rows(), avx2_layers()
-        group, shared = self._state.shared_args()
+        group, shared = plan.shared or (1, 0)  # the rows a fork left equal
         last = self.runs[-1]
         for run in self.runs:
             part = local if run.local else plan

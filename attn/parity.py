@@ -143,8 +143,12 @@ def _probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: 
     """Softmax of the float64 scores of q (b, h_kv, g * s, d) against k (b, h_kv, L, d), under
     ``mask`` (broadcastable to (b, h_kv, g, s, L)): (b, h_kv, g * s, L). A query with no key
     it may attend (a padding query) gets zeros, not the NaN a zero weight would carry on."""
-    b, h_kv, rows, _ = q.shape
-    scores = (q.double() @ k.double().transpose(-1, -2)) * scale  # (b, h_kv, g * s, L)
+    return _softmax((q.double() @ k.double().transpose(-1, -2)) * scale, mask)
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``_probabilities`` of float64 scores (b, h_kv, g * s, L)."""
+    b, h_kv, rows, _ = scores.shape
     s, L = mask.shape[-2], scores.shape[-1]
     scores = scores.view(b, h_kv, rows // s, s, L).masked_fill(~mask, float("-inf"))  # (b, h_kv, g, s, L)
     top = scores.amax(-1, keepdim=True)
@@ -152,6 +156,35 @@ def _probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: 
     weights = torch.exp(scores - top)
     total = weights.sum(-1, keepdim=True)
     return (weights / torch.where(total == 0, 1.0, total)).view(b, h_kv, rows, L)
+
+
+def _by_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(b, h_kv, r, c) as (b / group, h_kv, group * r, c): a group's rows one after another."""
+    b, h_kv, r, c = x.shape
+    return x.reshape(b // group, group, h_kv, r, c).transpose(1, 2).reshape(b // group, h_kv, group * r, c)
+
+
+def _by_row(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``_by_group`` undone: (b / group, h_kv, group * r, c) as (b, h_kv, r, c)."""
+    n, h_kv, rows, c = x.shape
+    return x.reshape(n, h_kv, group, rows // group, c).transpose(1, 2).reshape(n * group, h_kv, rows // group, c)
+
+
+def _shared_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, group: int, slots: int
+) -> torch.Tensor:
+    """``_ExactAttention``'s forward where rows ``b`` hold row ``b - b % group``'s keys and
+    values in their first ``slots`` slots (``PassPlan.shared``): those are widened and multiplied
+    once for the group, its rows' queries in one product; the rest row by row. q (b, h_kv,
+    g * s, d), k and v (b, h_kv, L, d); (b, h_kv, g * s, d). Float64 sums in another grouping:
+    the rounded result is the same, as for a pass of another shape."""
+    queries = q.double()
+    lead_k, lead_v = (t[::group, :, :slots].double() for t in (k, v))  # (b / group, h_kv, slots, d)
+    head = _by_row(_by_group(queries, group) @ lead_k.transpose(-1, -2), group)  # (b, h_kv, g * s, slots)
+    tail = queries @ k[:, :, slots:].double().transpose(-1, -2)  # (b, h_kv, g * s, L - slots)
+    probs = _softmax(torch.cat((head, tail), -1) * scale, mask)  # (b, h_kv, g * s, L)
+    out = _by_row(_by_group(probs[..., :slots], group) @ lead_v, group) + probs[..., slots:] @ v[:, :, slots:].double()
+    return out.to(q.dtype)
 
 
 def _head_mask(mask: torch.Tensor, b: int, h: int, h_kv: int, s: int, L: int) -> torch.Tensor:
@@ -163,7 +196,12 @@ def _head_mask(mask: torch.Tensor, b: int, h: int, h_kv: int, s: int, L: int) ->
 
 
 def exact_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    shared: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Attention with its scores and weighted sums in float64, so that a query's result does
     not depend on how many queries, keys or masked slots the pass has (the ``exact`` kernel of
@@ -175,6 +213,9 @@ def exact_attention(
         mask: bool, True where a query may attend, broadcastable to (b, h, s, L); None:
             causal, query i attends to keys 0..i (s == L).
         scale: what q.k is multiplied by; None: ``d ** -0.5``.
+        shared: ``(group, slots)``: rows that hold their group's first row's keys and values
+            in their first ``slots`` slots (a cached pass after a fork, ``PassPlan.shared``):
+            read once for the group where no gradient is taken (a cached pass takes none).
 
     Returns:
         (b, h, s, d) in q's dtype. A query with no key to attend gets zeros (SDPA: NaN or 0).
@@ -187,7 +228,11 @@ def exact_attention(
         mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
     mask = _head_mask(mask.expand(*mask.shape[:-2], s, L), b, h, h_kv, s, L)
     rows = q.reshape(b, h_kv, (h // h_kv) * s, d)  # (b, h_kv, g * s, d): head-major, as q's heads
-    out = _ExactAttention.apply(rows, k, v, mask, 1.0 / math.sqrt(d) if scale is None else scale)
+    factor = 1.0 / math.sqrt(d) if scale is None else scale
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if shared is not None and shared[0] > 1 and 0 < shared[1] <= L and not grad:
+        return _shared_attention(rows, k, v, mask, factor, *shared).reshape(b, h, s, d)
+    out = _ExactAttention.apply(rows, k, v, mask, factor)
     return out.view(b, h, s, d)
 
 

@@ -65,6 +65,11 @@ class PassPlan(NamedTuple):
     linears: Linears = "default"
     """The linear and activation kernels of the pass (``Linears``): the entry point's choice,
     which runs the layers inside them."""
+    shared: tuple[int, int] | None = None
+    """``(group, slots)``: the cache's rows hold their group's first row's keys and values in
+    their first ``slots`` slots (``CacheState.shared_slots``, after a fork), which the kernels
+    may read once for the group; ``None``: every row reads its own (no cache, none shared, or
+    compiled code, which must not guard on the numbers)."""
 
 
 def plan_pass(
@@ -106,14 +111,15 @@ def plan_pass(
     query_slots = None if cache is None else cache.query_slots(seq_len)  # (s,)
     input_pos, mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, window, span)
     slots = None if cache is None else cache.write_slots(query_slots)
+    shared = None if cache is None or torch.compiler.is_compiling() else cache.shared_slots
     rotation = rope.rotation(input_pos)
     if local is None:
-        return PassPlan(rotation, mask, slots, kernel=kernel, linears=linears)
+        return PassPlan(rotation, mask, slots, kernel=kernel, linears=linears, shared=shared)
     local_window, local_rope = local
     _, local_mask = positions_and_mask(cache, query_slots, seq_len, device, input_pos, mask, local_window, span)
     local_rotation = rotation if local_rope is rope else local_rope.rotation(input_pos)
-    local_plan = PassPlan(local_rotation, local_mask, slots, kernel=kernel, linears=linears)
-    return PassPlan(rotation, mask, slots, local_plan, kernel, linears)
+    local_plan = PassPlan(local_rotation, local_mask, slots, kernel=kernel, linears=linears, shared=shared)
+    return PassPlan(rotation, mask, slots, local_plan, kernel, linears, shared)
 
 
 def check_cached_pass(state: CacheState, b: int, s: int, mask: torch.Tensor | None) -> int | None:

@@ -232,3 +232,66 @@ def test_set_parity_mode_rejects_what_it_cannot_set() -> None:
     with pytest.raises(ValueError, match=r"soft-caps its attention scores \(attn_softcap=5.0, Gemma 2\)"):
         attn.set_parity_mode(capped)
     assert capped.parity is False
+
+
+@given(
+    groups=st.integers(1, 3),
+    group=st.integers(2, 4),
+    kv_heads=st.integers(1, 2),
+    heads_per_kv=st.integers(1, 3),
+    length=st.integers(1, 24),
+    shared_at=st.floats(0, 1),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_exact_attention_reads_shared_slots_once_for_each_group(
+    groups: int,
+    group: int,
+    kv_heads: int,
+    heads_per_kv: int,
+    length: int,
+    shared_at: float,
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """Rows whose first slots copy their group's first row (a fork): parity mode's attention of a
+    cached step that reads those slots from that row once for the group (``shared``) gives the
+    bits of the one that reads every row's own copy, and keeps them with other values in the
+    copies."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, slots = groups * group, max(1, int(shared_at * length))
+    q = torch.randn(batch, kv_heads * heads_per_kv, 1, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, length, 16, generator=gen).to(dtype) for _ in "kv")
+    for cache in (k, v):
+        cache[:, :, :slots] = cache[::group, :, :slots].repeat_interleave(group, 0)
+    mask = torch.rand(batch, 1, 1, length, generator=gen) < 0.8
+    expected = exact_attention(q, k, v, mask)
+    copies = torch.arange(batch) % group != 0
+    for cache in (k, v):
+        cache[copies, :, :slots] = torch.randn(cache[copies, :, :slots].shape, generator=gen).to(dtype)
+    assert torch.equal(exact_attention(q, k, v, mask, shared=(group, slots)), expected)
+    if bool(mask[copies, ..., :slots].any()):  # the poisoned copies, read: other values
+        assert not torch.equal(exact_attention(q, k, v, mask), expected)
+
+
+def test_a_parity_mode_generation_reads_each_groups_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``generate(num_samples=3)`` in parity mode: its decode steps read the forked prompt's
+    slots once for each group (the shared kernel runs in every layer of every step after the
+    first), and its log-probabilities stay the training forward's, bit for bit."""
+    model = tiny_model(11).to(torch.bfloat16)
+    attn.set_parity_mode(model)
+    calls: list[tuple[int, int]] = []
+    shared_attention = attn.parity._shared_attention
+
+    def counted(q, k, v, mask, scale, group, slots):  # type: ignore[no-untyped-def]
+        calls.append((group, slots))
+        return shared_attention(q, k, v, mask, scale, group, slots)
+
+    monkeypatch.setattr(attn.parity, "_shared_attention", counted)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    with torch.inference_mode():
+        out = attn.generate(model, prompts, max_new_tokens=4, temperature=1.0, num_samples=3)
+    assert calls == [(3, 4)] * (model.config.num_layers * 3)  # steps 1 to 3: the prompt's 4 slots
+    prompts_, groups = out.groups(3)
+    trained = attn.completion_logprobs(model, prompts_, groups, width=4).logprobs
+    assert torch.equal(trained[out.generated_mask], out.logprobs[out.generated_mask])
