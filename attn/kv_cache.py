@@ -62,9 +62,9 @@ class CacheState(nn.Module):
         prechecked: inside ``checked_up_front()``: eager passes skip the token-id and capacity
             checks, which their caller made once for the whole block.
         shared_slots: ``(group, slots)`` after ``fork_caches``: rows ``b`` hold in their first
-            ``slots`` slots the keys and values of row ``b - b % group`` (its copies), so the
-            native decode reads those once for the group (``attn::decode_attention``'s
-            ``group`` and ``shared``); ``None`` once the rows or the slots below the fill
+            ``slots`` slots the keys and values of row ``b - b % group`` (its copies), so a
+            CPU decode reads those once for the group (``PassPlan.shared``: the native
+            kernels, parity mode's attention); ``None`` once the rows or the slots below the fill
             change (``keep_rows``, ``restore``, ``reset``, ``detach``). Passes write only from
             the fill on, which never goes below ``slots`` while it is set.
         fill: tokens written so far, a 0-dim long tensor (``size`` reads it).
@@ -299,7 +299,7 @@ class CacheState(nn.Module):
     def share_slots(self, group: int) -> None:
         """Records that rows ``b`` now hold row ``b - b % group``'s keys and values in every
         slot below the fill (``fork_caches`` just copied them there): ``shared_slots``. On
-        the CPU only, where the native decode reads it: there the fill's host read waits for
+        the CPU only, where the decode kernels read it: there the fill's host read waits for
         nothing; elsewhere it would wait for every queued kernel."""
         self.shared_slots = None
         if group > 1 and self.fill.device.type == "cpu":
