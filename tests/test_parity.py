@@ -240,7 +240,7 @@ def test_set_parity_mode_rejects_what_it_cannot_set() -> None:
     kv_heads=st.integers(1, 2),
     heads_per_kv=st.integers(1, 3),
     length=st.integers(1, 24),
-    shared_at=st.floats(0, 1),
+    shared_percent=st.integers(0, 100),  # not a float draw: a torch leg's flush-to-zero breaks hypothesis' floats
     dtype=DTYPES,
     seed=st.integers(0, 2**16),
 )
@@ -250,7 +250,7 @@ def test_exact_attention_reads_shared_slots_once_for_each_group(
     kv_heads: int,
     heads_per_kv: int,
     length: int,
-    shared_at: float,
+    shared_percent: int,
     dtype: torch.dtype,
     seed: int,
 ) -> None:
@@ -259,7 +259,7 @@ def test_exact_attention_reads_shared_slots_once_for_each_group(
     bits of the one that reads every row's own copy, and keeps them with other values in the
     copies."""
     gen = torch.Generator().manual_seed(seed)
-    batch, slots = groups * group, max(1, int(shared_at * length))
+    batch, slots = groups * group, max(1, shared_percent * length // 100)
     q = torch.randn(batch, kv_heads * heads_per_kv, 1, 16, generator=gen).to(dtype)
     k, v = (torch.randn(batch, kv_heads, length, 16, generator=gen).to(dtype) for _ in "kv")
     for cache in (k, v):
