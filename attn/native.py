@@ -1,6 +1,6 @@
 """Native CPU kernels, built on first use: ``attn::bf16_matvec``, ``attn::fp32_linear``,
-``attn::amx_linear``, ``attn::avx2_linear``, ``attn::decode_attention``, ``attn::decode_layers``
-and ``attn::decode_loop``.
+``attn::amx_linear``, ``attn::avx2_linear``, ``attn::invariant_linear``,
+``attn::decode_attention``, ``attn::decode_layers`` and ``attn::decode_loop``.
 
 A decode step at a small batch reads every weight once for a few rows, and every cached key and
 value once for a few queries: it is bound by memory reads, and by the instructions between
@@ -37,6 +37,12 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   GB/s), 21.6 at 4, 85.9 at 16 against 25.0, 88.2 and 345.5 for ``F.linear`` and 54.7, 89.8 and
   124.8 for oneDNN on widened packed copies; fp32 27.1, 28.6 and 74.4 against 41.5, 74.0 and 113.1
   for oneDNN's product.
+- ``attn::invariant_linear`` (``invariant_linear.cpp``): bf16 and fp32 products of any rows,
+  each row's bits those of the row alone (parity mode's linear, ``attn.parity``): tiles of 16
+  rows through ``attn::bf16_matvec``'s and ``attn::fp32_linear``'s loop on a CPU with
+  AVX512-BF16, ``attn::avx2_linear``'s elsewhere, each chunk of weight rows taken through every
+  tile (``csrc/row_tiles.h``). About the time of one BLAS product of all the rows, half that of
+  16-row BLAS products (the figures in ``invariant_linear.cpp``).
 - ``attn::decode_attention`` (``decode_attention.cpp``): masked attention of a few queries per
   row over the cache, fp32, bf16 or fp16, with AVX-512: the query heads of one (row, kv head) a
   task, so each key and value row is read once for the group; scores 16 slots at a time (bf16 by
@@ -79,7 +85,8 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
 input checks), ``csrc/layer_steps.h`` (the decode layers' norms, RoPE, residuals and SwiGLU, built
-for AVX-512 and for AVX2) and ``csrc/kernels.h`` (the entry points they call in each other). The build's
+for AVX-512 and for AVX2), ``csrc/row_tiles.h`` (``attn::invariant_linear``'s loop over tiles)
+and ``csrc/kernels.h`` (the entry points they call in each other). The build's
 name holds the torch release and a hash of the sources' paths and of every source and header
 (``_extension_name``), so an edited header builds anew, and two copies of attn on one torch (a
 checkout and an installed copy, two environments) keep a build each. One name for both had them
@@ -127,6 +134,7 @@ __all__ = [
     "decode_attention_available",
     "decode_layers_available",
     "fp32_linear_available",
+    "invariant_linear_available",
     "amx_from_rows",
     "native_available",
     "native_head_dim",
@@ -154,10 +162,11 @@ row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 
 _CSRC = Path(__file__).with_name("csrc")
 _KERNELS = (
-    "few_rows_linear", "amx_linear", "avx2_linear", "decode_attention", "avx2_layers", "decode_layers", "decode_loop"
+    "few_rows_linear", "amx_linear", "avx2_linear", "invariant_linear", "decode_attention", "avx2_layers",
+    "decode_layers", "decode_loop"
 )  # fmt: skip
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
-_HEADERS = [_CSRC / "kernels.h", _CSRC / "layer_steps.h", _CSRC / "linear_checks.h", _CSRC / "simd.h"]
+_HEADERS = [_CSRC / f"{name}.h" for name in ("kernels", "layer_steps", "linear_checks", "row_tiles", "simd")]
 
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines
@@ -165,6 +174,7 @@ _LIBRARY.define("bf16_matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("avx2_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIBRARY.define("invariant_linear(Tensor x, Tensor weight) -> Tensor")
 _LIBRARY.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale, bool widen=False, int group=1, "
     "int shared=0) -> Tensor"
@@ -203,7 +213,8 @@ def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
 
 
 _OPERATORS = (
-    "bf16_matvec", "fp32_linear", "amx_linear", "avx2_linear", "decode_attention", "decode_layers", "decode_loop"
+    "bf16_matvec", "fp32_linear", "invariant_linear", "amx_linear", "avx2_linear", "decode_attention",
+    "decode_layers", "decode_loop"
 )  # fmt: skip
 for _name in _OPERATORS:
     _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
@@ -211,6 +222,11 @@ for _name in _OPERATORS:
 
 @torch.library.register_fake("attn::bf16_matvec")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("attn::invariant_linear")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -429,6 +445,12 @@ def bf16_linear_kernel(rows: int, features: int) -> torch._ops.OpOverload | None
     if 1 <= rows <= AVX2_LINEAR_MAX_ROWS and avx2_linear_available():
         return torch.ops.attn.avx2_linear.default
     return None
+
+
+def invariant_linear_available() -> bool:
+    """Can ``attn::invariant_linear`` (parity mode's bf16 and fp32 products) run here? A CPU with
+    AVX512-BF16 or AVX2 (each its own kernel, fixed for the process), and the extension built."""
+    return (_has_avx512_bf16() or _has_avx2()) and _built_here()
 
 
 def fp32_linear_available() -> bool:

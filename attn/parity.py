@@ -12,9 +12,13 @@ attention kernel sums one query's keys in another order than many queries'. Pari
 computes them otherwise while a model's forward runs:
 
 - linears (``F.linear``, swapped by ``ParityKernels``, a ``TorchFunctionMode``, so adapters'
-  linears such as peft's LoRA are covered too): the rows go through products of exactly
-  ``ROWS`` rows each (the last one zero-padded), so every row meets the same kernel, whatever
-  the pass's row count (``invariant_linear``).
+  linears such as peft's LoRA are covered too): ``invariant_linear``. On a CPU with AVX2 or
+  AVX512-BF16, bf16 and fp32 products run ``attn::invariant_linear``: tiles of 16 rows through a
+  few-row kernel whose row sums do not depend on the other rows, at about the speed of one BLAS
+  product of all the rows (``attn/csrc/invariant_linear.cpp``). Elsewhere (other dtypes, other
+  devices, no native build) the rows go through BLAS products of exactly ``ROWS`` rows each (the
+  last one zero-padded), so every row meets the same kernel, at about twice the time. Which of
+  the two runs is fixed for a process, so every pass in it agrees.
 - attention: the pass plan's ``exact`` kernel (``attn.plan.Kernel``; the model's
   ``attention_kernel()`` chooses it in parity mode): the scores and the weighted sum in float64
   (``exact_attention``). A product of two bf16 (or fp32) numbers is exact in
@@ -44,11 +48,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from attn.native import invariant_linear_available
+
 __all__ = ["ROWS", "ParityKernels", "exact_attention", "invariant_linear", "modes_report", "set_parity_mode"]
 
-# Rows in every product a parity-mode linear runs. Measured on the Intel Xeon (AMX) and AMD
-# EPYC kinds, bf16 and fp32: a row's result in a 16-row product does not depend on the
-# row's place in it, and 16 rows cost a decode step little more than one (docs/parity.md).
+# Rows in every BLAS product a parity-mode linear runs where attn::invariant_linear does not.
+# Measured on the Intel Xeon (AMX) and AMD EPYC kinds, bf16 and fp32: a row's result in a
+# 16-row product does not depend on the row's place in it, and 16 rows cost a decode step
+# little more than one (docs/parity.md).
 ROWS = 16
 
 
@@ -57,6 +64,16 @@ ROWS = 16
 # result in a 16-row product depends on its place in it; padded, no shape tried did (K 1-69,
 # N 1-64, fp32 and bf16). Checkpoints' linears need no padding: their dims are multiples of 16.
 PAD = 16
+
+
+def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` (M, K), ``weight`` (N, K), each row's bits whatever the other
+    rows: ``attn::invariant_linear`` for bf16 and fp32 on a CPU it runs on (every parity pass of
+    those dtypes in the process takes it), else ``ROWS``-row BLAS products."""
+    native = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.shape[0] > 0
+    if native and invariant_linear_available():  # builds the kernels on the first call
+        return torch.ops.attn.invariant_linear.default(x, weight.contiguous())
+    return _chunked_product(x, weight)
 
 
 def _chunked_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,13 +92,13 @@ def _chunked_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _InvariantLinear(torch.autograd.Function):
-    """Forward in ``ROWS``-row products; backward as one product each (gradients need not be
-    bitwise, and a (M, K) x (K, N) product is far faster than M / ROWS of them)."""
+    """Forward as ``_rows_product``; backward as one BLAS product each (gradients need not be
+    bitwise, and one (M, K) x (K, N) product is the fastest)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        return _chunked_product(x, weight)
+        return _rows_product(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
@@ -294,13 +311,14 @@ def set_parity_mode(model: torch.nn.Module, enabled: bool = True) -> None:
 
 def modes_report() -> str:
     """What each kernel mode promises, for ``attn info``."""
+    linears = "attn::invariant_linear" if invariant_linear_available() else f"{ROWS}-row BLAS products"
     return "\n".join(
         [
             "kernels (attn.set_parity_mode(model, on)):",
             "  default:           the fast kernels (SDPA, BLAS); generation's and training's log-probs agree to",
             "                     float rounding (fp32: ~1e-6; bf16: up to ~0.2 abs on a 30-layer model)",
-            f"  parity mode:       every forward computes a token's logits bit for bit alike (linears in "
-            f"{ROWS}-row products,",
+            "  parity mode:       every forward computes a token's logits bit for bit alike (linears in",
+            f"                     {linears},",
             "                     attention and silu in float64): generate's log-probs == the training",
             "                     forward's, eager; a torch.compile'd model runs it eagerly,",
             "                     compile_for_decode refuses it",

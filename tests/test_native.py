@@ -147,6 +147,42 @@ def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, th
 
 @needs_avx2
 @given(
+    outputs=st.integers(1, 70),  # 48 weight rows a thread's unit, blocks of rows_per_pass, and the rest
+    features=st.integers(1, 100),
+    rows=st.integers(1, 3 * BF16_MATVEC_MAX_ROWS + 5),  # tiles of 16 rows, the last one fewer
+    layout=_LAYOUTS,
+    threads=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+@settings(max_examples=examples(80), deadline=None)
+def test_invariant_linear_rows_are_the_few_row_kernels_row_alone(
+    outputs, features, rows, layout, threads, dtype, seed, data
+):
+    """Each row of ``invariant_linear`` is, bit for bit, what the CPU's few-row kernel
+    (``bf16_matvec`` or ``fp32_linear`` with AVX512-BF16, else ``avx2_linear``) gives that row
+    alone, whatever the other rows and the row's place among them; and the product is the
+    float64 product rounded once."""
+    op = lambda x, weight, bias: torch.ops.attn.invariant_linear(x, weight)  # noqa: E731 - no bias
+    _assert_product_rounded_once(op, outputs, features, rows, layout, False, threads, seed, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)  # all of fp32's bits: products that round, as in a model
+    x, weight = (
+        torch.randn(rows, features, generator=gen).to(dtype),
+        torch.randn(outputs, features, generator=gen).to(dtype),
+    )
+    got = torch.ops.attn.invariant_linear(x, weight)  # (rows, outputs)
+    alone = torch.ops.attn.avx2_linear
+    if bf16_matvec_available():
+        alone = torch.ops.attn.bf16_matvec if dtype == torch.bfloat16 else torch.ops.attn.fp32_linear
+    row = data.draw(st.integers(0, rows - 1), label="row")
+    assert torch.equal(got[row : row + 1], alone(x[row : row + 1], weight, None))
+    shuffled = torch.randperm(rows, generator=gen)
+    assert torch.equal(torch.ops.attn.invariant_linear(x[shuffled], weight), got[shuffled])
+
+
+@needs_avx2
+@given(
     outputs=st.integers(1, 70),  # blocks of 4, 3 or 1 weight rows, and the rest
     features=st.integers(1, 80),  # 16 features a step, and a tail summed one by one
     rows=st.integers(1, AVX2_LINEAR_MAX_ROWS),  # passes of up to 4 rows
@@ -275,6 +311,25 @@ _BF16 = {"dtype": torch.bfloat16}
         _bad("avx2_linear", torch.ones(17, 8), torch.ones(4, 8), None, "1 to 16 rows of x, got 17", needs_avx2),
         _bad("avx2_linear", torch.ones(1, 6), torch.ones(4, 6).T, None, "contiguous", needs_avx2),
         _bad("avx2_linear", torch.ones(1, 8), torch.ones(4, 8), torch.ones(5), r"\(4,\) vector", needs_avx2),
+        _bad(
+            "invariant_linear",
+            torch.ones(1, 8, dtype=torch.half),
+            torch.ones(4, 8, dtype=torch.half),
+            None,
+            "takes bf16 or fp32 tensors, got x Half",
+            needs_avx2,
+        ),
+        _bad("invariant_linear", torch.ones(0, 8), torch.ones(4, 8), None, "one row of x or more", needs_avx2),
+        _bad(
+            "invariant_linear",
+            torch.ones(3, 8),
+            torch.ones(4, 6),
+            None,
+            r"weight's 6 features, got x \[3, 8\]",
+            needs_avx2,
+        ),
+        _bad("invariant_linear", torch.ones(3, 8, **_BF16), torch.ones(4, 8), None, "bf16", needs_avx2),
+        _bad("invariant_linear", torch.ones(1, 6), torch.ones(4, 6).T, None, "contiguous", needs_avx2),
         _bad("amx_linear", torch.ones(1, 32), torch.ones(4, 32), None, "takes bf16 tensors", needs_amx),
         _bad(
             "amx_linear",
@@ -297,8 +352,9 @@ _BF16 = {"dtype": torch.bfloat16}
     ],
 )
 def test_bad_input_names_the_values(kernel, x, weight, bias, message):
+    arguments = (x, weight) if kernel == "invariant_linear" else (x, weight, bias)  # no bias in its schema
     with pytest.raises(RuntimeError, match=message):
-        getattr(torch.ops.attn, kernel)(x, weight, bias)
+        getattr(torch.ops.attn, kernel)(*arguments)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1057,6 +1113,8 @@ def _opcheck_cases():
         ),
         pytest.param("bf16_matvec", lambda: (bf16(3, 32), bf16(16, 32), bf16(16)), marks=needs_bf16_matvec),
         pytest.param("fp32_linear", lambda: (bf16(3, 32).float(), bf16(16, 32).float(), None), marks=needs_bf16_matvec),
+        pytest.param("invariant_linear", lambda: (bf16(37, 40), bf16(50, 40)), marks=needs_avx2),
+        pytest.param("invariant_linear", lambda: (bf16(2, 9, 40).float(), bf16(5, 40).float()), marks=needs_avx2),
         pytest.param("amx_linear", lambda: (bf16(5, 32), bf16(16, 32), None), marks=needs_amx),
         pytest.param("avx2_linear", lambda: (bf16(3, 40), bf16(16, 40), bf16(16)), marks=needs_avx2),
         pytest.param("avx2_linear", lambda: (bf16(17, 40).float()[:5], bf16(9, 40).float(), None), marks=needs_avx2),

@@ -3,6 +3,9 @@ generation's log-probs equal the training forward's, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounter
 
 import attn
+import attn.parity
 from attn.parity import ROWS, exact_attention, invariant_linear
 
 from .conftest import GEMMA_OPTIONS, assert_cache_unchanged, cache_state, tiny_model
@@ -24,24 +28,30 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
     outer=st.integers(1, 70),
     dtype=DTYPES,
     bias=st.booleans(),
+    native=st.booleans(),
     data=st.data(),
 )
-def test_invariant_linear_rows_do_not_depend_on_the_batch(rows, inner, outer, dtype, bias, data) -> None:
+def test_invariant_linear_rows_do_not_depend_on_the_batch(rows, inner, outer, dtype, bias, native, data) -> None:
+    """Both of its products: attn::invariant_linear where the CPU runs it, and the ROWS-row BLAS
+    products it falls back to (``native`` False, or a CPU without the kernel)."""
     torch.manual_seed(rows * 1000 + inner)
     x = torch.randn(rows, inner).to(dtype)
     weight = torch.randn(outer, inner).to(dtype)
     b = torch.randn(outer).to(dtype) if bias else None
-    out = invariant_linear(x, weight, b)  # (rows, outer)
+    fallback = mock.patch.object(attn.parity, "invariant_linear_available", return_value=False)
+    with contextlib.nullcontext() if native else fallback:
+        out = invariant_linear(x, weight, b)  # (rows, outer)
+        row = data.draw(st.integers(0, rows - 1))
+        alone = invariant_linear(x[row : row + 1], weight, b)
+        shuffled = torch.randperm(rows)
+        again = invariant_linear(x[shuffled], weight, b)
     torch.testing.assert_close(
         out.float(),
         F.linear(x.double(), weight.double(), None if b is None else b.double()).float(),
         **_tol(dtype, inner),
     )
-    row = data.draw(st.integers(0, rows - 1))
-    alone = invariant_linear(x[row : row + 1], weight, b)
     assert torch.equal(out[row : row + 1], alone)
-    shuffled = torch.randperm(rows)
-    assert torch.equal(invariant_linear(x[shuffled], weight, b), out[shuffled])
+    assert torch.equal(again, out[shuffled])
 
 
 def _tol(dtype: torch.dtype, inner: int) -> dict[str, float]:

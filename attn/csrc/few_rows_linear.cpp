@@ -44,6 +44,7 @@
 
 #include "kernels.h"
 #include "linear_checks.h"
+#include "row_tiles.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -257,6 +258,19 @@ void product(const Target* group, int count, const void* X, int64_t K) {
   }
 }
 
+// D's loop as attn::row_tiles' kernel (attn::invariant_linear's products).
+template <typename D>
+struct Tiles {
+  using In = typename D::Value;
+  using Out = typename D::Value;
+  static constexpr int64_t kMaxRows = D::kMaxRows;
+  static constexpr int rows_per_pass(int m) { return D::rows_per_pass(m); }
+  template <int M, int R>
+  static void outputs(const void* W, const In* X, Out* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+    ::outputs<D, M, R>(static_cast<const In*>(W), X, nullptr, Y, N, K, n0, n1);
+  }
+};
+
 using Product = void (*)(const Target*, int, const void*, int64_t);
 
 template <typename D, size_t... I>
@@ -312,6 +326,17 @@ std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
   const int64_t M = check_group("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, x, weights, biases);
   return linear<Fp32>(x, weights, biases, M);
+}
+
+void invariant_product_avx512(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y) {
+  const int64_t N = weight.size(0), K = weight.size(1), M = x.numel() / K;
+  if (x.scalar_type() == at::kBFloat16) {
+    using V = Bf16::Value;
+    row_tiles::product<Tiles<Bf16>>(weight.data_ptr(), static_cast<const V*>(x.data_ptr()),
+                                    static_cast<V*>(y.data_ptr()), M, N, K);
+  } else {
+    row_tiles::product<Tiles<Fp32>>(weight.data_ptr(), x.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+  }
 }
 
 at::Tensor bf16_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

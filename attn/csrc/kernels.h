@@ -32,6 +32,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 // y = x W^T (+ bias): x (..., K) bf16 or fp32 of 1 to 16 rows, with AVX2 and FMA (avx2_linear.cpp).
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+// y = x W^T: x (..., K) bf16 or fp32 of any rows, each row's bits those of the row alone
+// (invariant_linear.cpp): parity mode's linear (attn/parity.py). It runs one of these two on x's
+// contiguous rows (M, K) into y (M, N): tiles of 16 rows of bf16_matvec's or fp32_linear's loop
+// (few_rows_linear.cpp), or of avx2_linear's (avx2_linear.cpp).
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight);
+void invariant_product_avx512(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y);
+void invariant_product_avx2(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y);
+
 // bf16_matvec and fp32_linear of x by up to 4 weights of one K at once: one parallel region,
 // each thread's blocks running from one product into the next.
 std::vector<at::Tensor> bf16_matvec_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
