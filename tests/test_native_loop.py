@@ -16,7 +16,7 @@ import attn
 from attn import TransformerDecoder
 from attn.native_loop import CHUNK_STEPS, NativeLoop
 
-from .conftest import GEMMA_OPTIONS, avx2_only, examples, needs_native_products, tiny_model
+from .conftest import GEMMA_OPTIONS, avx2_only, examples, needs_avx2, needs_native_products, tiny_model
 
 pytestmark = needs_native_products  # attn::decode_loop runs its AVX-512 build or its AVX2 one
 
@@ -375,6 +375,7 @@ def _op_arguments(model: TransformerDecoder, rows: int = 1, slots: int = 64, new
         generator=None,
         first_step=0,
         last_step=new_tokens,
+        avx2=attn.native.avx2_layers(),  # the build this CPU runs: AVX-512 or AVX2
     )
 
 
@@ -388,11 +389,11 @@ _BAD_CALLS = {
     "rows that do not match": (dict(done=torch.zeros(2, dtype=torch.bool)), "done (1,) bool"),
     "a RoPE table of another head dim": (dict(cos_sin=torch.zeros(2, 64, 8)), "rows (8) must be the caches' head dim"),
     "shared slots it would write": (
-        dict(avx2=None, group=1, shared=5),
+        dict(group=1, shared=5),
         "the steps write slots from 4, inside the 5 slots the rows share (group 1)",
     ),
     "a group that does not divide the rows": (
-        dict(avx2=None, group=2, shared=0),
+        dict(group=2, shared=0),
         "group must divide the 1 rows and shared be >= 0",
     ),
 }
@@ -405,8 +406,6 @@ def test_a_bad_call_raises_before_it_writes(case: str) -> None:
     arguments = _op_arguments(model)
     change, message = _BAD_CALLS[case]
     arguments |= change
-    if "avx2" in arguments:
-        arguments["avx2"] = attn.native.avx2_layers()
     before = [t.clone() for c in model.cache_state.caches for t in (c.k_cache, c.v_cache)]
     tokens = arguments["new_tokens"].clone()
     with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -416,8 +415,14 @@ def test_a_bad_call_raises_before_it_writes(case: str) -> None:
     assert torch.equal(arguments["new_tokens"], tokens)
 
 
-def test_a_valid_call_runs_its_steps() -> None:
-    """The bad calls above differ from this one in one argument each."""
+@pytest.mark.parametrize("build", ["avx512", pytest.param("avx2", marks=needs_avx2)])
+def test_a_valid_call_runs_its_steps(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bad calls above differ from this one in one argument each (in both builds: the call's
+    ``avx2`` is the build the CPU runs, AVX2 when AVX512-BF16 is missing)."""
+    if build == "avx2":
+        avx2_only(monkeypatch)
+    elif not attn.native._has_avx512_bf16():
+        pytest.skip("the AVX-512 build of attn::decode_loop needs a CPU with AVX512-BF16; this one has none")
     model = _model(torch.bfloat16)
     arguments = _op_arguments(model)
     assert torch.ops.attn.decode_loop(*arguments.values()) == 7  # the last step samples and stops
