@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="decode through attn.compile_for_decode: a compiled step, faster tokens after a compile of tens of "
-        "seconds; on a CPU with AVX512-BF16 and a Llama-style model, the native step instead, nothing compiled",
+        "seconds; on a CPU with AVX512-BF16 or AVX2 and a Llama-style model, the native step instead, nothing compiled",
     )
 
     commands.add_parser(
