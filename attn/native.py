@@ -166,7 +166,9 @@ _KERNELS = (
     "decode_layers", "decode_loop"
 )  # fmt: skip
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
-_HEADERS = [_CSRC / f"{name}.h" for name in ("kernels", "layer_steps", "linear_checks", "row_tiles", "simd")]
+_HEADERS = [
+    _CSRC / f"{name}.h" for name in ("kernels", "layer_steps", "linear_checks", "row_tiles", "shared_slots", "simd")
+]
 
 
 _LIBRARY = torch.library.Library("attn", "FRAGMENT")  # the namespace attn.packed defines

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "shared_slots.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +33,8 @@
 #define ATTN_AVX2 __attribute__((target("avx2,fma")))
 
 namespace {
+
+using attn::Slots;
 
 constexpr int64_t kLanes = 8;
 constexpr int64_t kQueries = 8;        // a task's queries at most (their sums stay in registers)
@@ -116,17 +119,6 @@ struct Lanes<c10::BFloat16> : Simd {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
   ATTN_AVX2 static __m256 round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(narrow_bits(v), 16)); }
-};
-
-// A task's key or value rows: slot j's `step` values apart, the first `shared` read from the
-// group's first row (`lead`, equal values: attn::decode_attention's group and shared), the rest
-// from the task's own row.
-template <typename T>
-struct Slots {
-  const T* own;
-  const T* lead;
-  int64_t shared, step;
-  const T* row(int64_t j) const { return (j < shared ? lead : own) + j * step; }
 };
 
 // The queries [h0, h0 + G) of row m (G <= kQueries) over their kv head's keys and values.

@@ -52,6 +52,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "shared_slots.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -64,6 +65,8 @@
 #define ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {
+
+using attn::Slots;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxHeadDim = 512;  // the output accumulators live on the stack
@@ -144,22 +147,6 @@ ATTN_AVX512 inline __mmask16 allowed_slots(const bool* allowed, int64_t step, in
   for (int64_t i = 0; i < count; ++i) slots |= static_cast<__mmask16>(allowed[i * step]) << i;
   return slots;
 }
-
-// A task's key or value rows: slot j's row is `step` values apart, the first `shared` slots read
-// from the group's first row (`lead`: equal values, a copy of it in each row of the group after
-// fork_caches), the rest from the task's own row (`own`).
-template <typename T>
-struct Slots {
-  const T* own = nullptr;
-  const T* lead = nullptr;
-  int64_t shared = 0, step = 0;
-  const T* row(int64_t j) const { return (j < shared ? lead : own) + j * step; }
-  // The row to prefetch for slot j, or null: none, or a shared row the task before read already.
-  const T* prefetched(int64_t j, const Slots& before) const {
-    if (own == nullptr || (j < shared && lead == before.lead)) return nullptr;
-    return row(j);
-  }
-};
 
 // sums[c x vectors + i] = the sum over slots j < L of w[c x w_step + j] v_j (vector i of the
 // widened row), for C queries: each value row is read and widened once for all of them. A zero
