@@ -66,6 +66,11 @@ ROWS = 16
 PAD = 16
 
 
+# Queries a block of a long pass without grad computes, over the keys up to the last one the
+# block may attend (exact_attention): a causal prefill of 512 tokens reads 0.62 of its scores.
+QUERY_BLOCK = 128
+
+
 def _rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` (M, K), ``weight`` (N, K), each row's bits whatever the other
     rows: ``attn::invariant_linear`` for bf16 and fp32 on a CPU it runs on (every parity pass of
@@ -249,8 +254,37 @@ def exact_attention(
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if shared is not None and shared[0] > 1 and 0 < shared[1] <= L and not grad:
         return _shared_attention(rows, k, v, mask, factor, *shared).reshape(b, h, s, d)
+    if s > QUERY_BLOCK and not grad:
+        return _in_query_blocks(q, k, v, mask, factor)
     out = _ExactAttention.apply(rows, k, v, mask, factor)
     return out.view(b, h, s, d)
+
+
+def _in_query_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``_ExactAttention``'s forward ``QUERY_BLOCK`` queries at a time, each block over the keys
+    up to the last one any of its queries may attend: a causal prefill of 512 tokens reads 0.62
+    of the scores. The keys left out have zero weight for every query of the block, so a query's
+    float64 sums change only their grouping, as between a decode step and a prefill. q (b, h, s,
+    d), k and v (b, h_kv, L, d), mask as ``_head_mask`` gives it; (b, h, s, d)."""
+    b, h, s, d = q.shape
+    h_kv, L = k.shape[1], k.shape[2]
+    by_query = mask.shape[-2] != 1
+    allowed = mask.reshape(-1, *mask.shape[-2:]).any(0)  # (s or 1, L or 1): may any row attend
+    blocks = []
+    for first in range(0, s, QUERY_BLOCK):
+        last = min(first + QUERY_BLOCK, s)
+        block_mask = mask[..., first:last, :] if by_query else mask  # (.., s_block or 1, L or 1)
+        keys = L
+        if mask.shape[-1] != 1:
+            seen = (allowed[first:last] if by_query else allowed).any(0).nonzero()
+            keys = int(seen[-1]) + 1 if len(seen) else 1  # none: the block's queries get zeros
+            block_mask = block_mask[..., :keys]
+        rows = q[:, :, first:last].reshape(b, h_kv, (h // h_kv) * (last - first), d)  # (b, h_kv, g * s_block, d)
+        probs = _probabilities(rows, k[:, :, :keys], block_mask, scale)  # (b, h_kv, g * s_block, keys)
+        blocks.append((probs @ v[:, :, :keys].double()).to(q.dtype).view(b, h, last - first, d))
+    return torch.cat(blocks, 2)
 
 
 def _exact_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

@@ -86,17 +86,25 @@ def naive_attention(q, k, v, allowed):
     extra=st.integers(0, 9),
     dtype=DTYPES,
     seed=st.integers(0, 2**16),
+    block=st.integers(1, 10),
+    causal=st.booleans(),
 )
 def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(
-    b, kv_heads, group, s, extra, dtype, seed
+    b, kv_heads, group, s, extra, dtype, seed, block, causal
 ) -> None:
+    """Also in query blocks (``QUERY_BLOCK`` drawn; s > block takes them): each block reads the
+    keys up to its last visible one, and gives the bits of the pass in one block."""
     torch.manual_seed(seed)
     L, h, d = s + extra, kv_heads * group, 8
     q = torch.randn(b, h, s, d).to(dtype)
     k, v = torch.randn(b, kv_heads, L, d).to(dtype), torch.randn(b, kv_heads, L, d).to(dtype)
     allowed = torch.rand(b, 1, s, L) < 0.7
+    if causal:  # the keys past a block's last query are skipped
+        allowed &= torch.ones(s, L, dtype=torch.bool).tril(extra)
     allowed[..., 0] = True  # every query sees a key
-    out = exact_attention(q, k, v, allowed)
+    with mock.patch.object(attn.parity, "QUERY_BLOCK", block):
+        out = exact_attention(q, k, v, allowed)
+    assert torch.equal(exact_attention(q, k, v, allowed), out)  # QUERY_BLOCK 128: one block
     torch.testing.assert_close(
         out.double(),
         naive_attention(q, k, v, allowed),
@@ -145,23 +153,27 @@ def training_logprobs(model, tokens, positions, mask, prompt_length, targets, te
     window=st.sampled_from([None, 3]),
     seed=st.integers(0, 1000),
     gemma3=st.booleans(),
+    block=st.sampled_from([2, 3, 128]),
 )
 def test_generation_logprobs_equal_the_training_forward_bit_for_bit(
-    prompts, samples, steps, dtype, kv_heads, window, seed, gemma3
+    prompts, samples, steps, dtype, kv_heads, window, seed, gemma3, block
 ) -> None:
+    """Generation's prefill runs its attention in query blocks (``QUERY_BLOCK`` drawn), the
+    training forward (grad) in one."""
     options = GEMMA_OPTIONS["gemma3"] if gemma3 else {"sliding_window": window}
     model = tiny_model(seed % 7, num_kv_heads=kv_heads, **options).to(dtype)
     attn.set_parity_mode(model)
     generator = torch.Generator().manual_seed(seed)
-    out = attn.generate(
-        model,
-        prompts,
-        max_new_tokens=steps,
-        temperature=1.0,
-        num_samples=samples,
-        generator=generator,
-        return_logits=True,
-    )
+    with mock.patch.object(attn.parity, "QUERY_BLOCK", block):
+        out = attn.generate(
+            model,
+            prompts,
+            max_new_tokens=steps,
+            temperature=1.0,
+            num_samples=samples,
+            generator=generator,
+            return_logits=True,
+        )
     P, valid = out.prompt_length, out.generated_mask
     trained = training_logprobs(
         model, out.tokens, out.positions, attn.padded_causal_mask(out.padding_mask), P, out.generated
