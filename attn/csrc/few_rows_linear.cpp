@@ -11,7 +11,8 @@
 // hardware: outputs() says why); where prefetched, the hardware brings them
 // on into L1; prefetching into L1 itself was 1.3-1.5x slower at 1 to 8 rows on an AMD EPYC, Zen
 // 4: the 30 layers and the head, bf16, 9.4 against 12.4 ms at 1 row, 10.1 against 15.5 at 8;
-// fp32 17.6 against 20.0 at 1 row, 19.3 against 26.8 at 8; not re-measured on the Intel kinds);
+// fp32 17.6 against 20.0 at 1 row, 19.3 against 26.8 at 8; not re-measured on the Intel kinds;
+// bf16 past 8 rows prefetches into L1, which was faster there on Zen 5: outputs() has figures);
 // the M x R sums are then folded 16 at a time with one shuffle tree (attn::sum_each). Up to 8
 // rows one pass takes them all.
 // Past 8, passes of 6 rows each take the same 4 weight rows, read again from L1: 10 loads for 24
@@ -66,6 +67,9 @@ struct Bf16 {
   using Mask = __mmask32;
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kAhead = 16;
+  // Past 8 rows of x: the weight rows 3 blocks ahead, into L1 (outputs() has the measurements).
+  static constexpr int64_t kBlocksAhead = 3;
+  static constexpr bool kAheadIntoL1 = true;
   static constexpr int64_t kMaxRows = attn::kBf16MatvecMaxRows;
   // One or two rows of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
   static constexpr int rows_per_pass(int m) { return m <= 2 ? 1 : m <= 4 ? 4 : m <= 8 ? 3 : 4; }
@@ -103,6 +107,11 @@ struct Fp32 {
   using Mask = __mmask16;
   static constexpr int64_t kStep = 16;
   static constexpr int64_t kAhead = 8;
+  // Past 8 rows of x: the weight rows 2 blocks ahead, into L2 (into L1 3 blocks ahead gave 0.89,
+  // 0.90 and 1.12 times the tokens a second in three paired 16-row runs on Zen 5: a block of fp32
+  // rows is twice the bytes, and x at 16 rows takes most of L1).
+  static constexpr int64_t kBlocksAhead = 2;
+  static constexpr bool kAheadIntoL1 = false;
   static constexpr int64_t kMaxRows = attn::kFp32LinearMaxRows;
   // One row of x: one weight row a pass (outputs() says why). > 8: passes of 6 rows.
   static constexpr int rows_per_pass(int m) { return m == 1 ? 1 : m <= 4 ? 4 : m <= 8 ? 2 : 4; }
@@ -151,10 +160,12 @@ ATTN_AVX512_BF16 __attribute__((always_inline)) inline void sum_all(const __m512
 }
 
 // Rows [0, M) of X against R weight rows from w, K in steps: their M x R sums. Of the weight
-// rows at `ahead` (none when null), rows first, first + every, ... < R are prefetched into L2.
-template <typename D, int M, int R>
+// rows at `ahead` (none when null), rows first, first + every, ... < R are prefetched into L2,
+// or into L1 where IntoL1.
+template <typename D, int M, int R, bool IntoL1>
 ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename D::Value* X, int64_t K,
                                      const typename D::Value* ahead, int first, int every, float* sums) {
+  constexpr _mm_hint kHint = IntoL1 ? _MM_HINT_T0 : _MM_HINT_T1;
   const int64_t full = K - K % D::kStep;
   const auto tail = K % D::kStep ? static_cast<typename D::Mask>((1ull << (K % D::kStep)) - 1) : 0;
   __m512 acc[M][R];
@@ -165,7 +176,7 @@ ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename 
   for (int64_t k = 0; k < full; k += D::kStep) {
     if (ahead != nullptr) {
 #pragma GCC unroll 8
-      for (int r = first; r < R; r += every) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), _MM_HINT_T1);
+      for (int r = first; r < R; r += every) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + k), kHint);
     }
     pass<D, M, R>(acc, w, X, K, k, 0);
   }
@@ -177,14 +188,16 @@ ATTN_AVX512_BF16 inline void sums_of(const typename D::Value* w, const typename 
 constexpr int rows_a_pass(int m) { return m <= 8 ? m : 6; }
 
 // Rows [Start, M) of X against R weight rows from w, in passes of rows_a_pass(M): their sums
-// into sums[m * R + r]. Pass i prefetches the weight rows at `ahead` r with r % passes == i.
+// into sums[m * R + r]. Pass i prefetches the weight rows at `ahead` r with r % passes == i
+// (past 8 rows, into L1 where D says so).
 template <typename D, int M, int R, int Start = 0>
 ATTN_AVX512_BF16 inline void sums_in_passes(const typename D::Value* w, const typename D::Value* X, int64_t K,
                                             const typename D::Value* ahead, float* sums) {
   constexpr int kPassRows = rows_a_pass(M);
   constexpr int kPasses = (M + kPassRows - 1) / kPassRows;
   constexpr int kRows = std::min(kPassRows, M - Start);
-  sums_of<D, kRows, R>(w, X + Start * K, K, ahead, Start / kPassRows, kPasses, sums + Start * R);
+  sums_of<D, kRows, R, (M > 8 && D::kAheadIntoL1)>(w, X + Start * K, K, ahead, Start / kPassRows, kPasses,
+                                                   sums + Start * R);
   if constexpr (Start + kRows < M) sums_in_passes<D, M, R, Start + kRows>(w, X, K, ahead, sums);
 }
 
@@ -203,11 +216,17 @@ ATTN_AVX512_BF16 inline void sums_in_passes(const typename D::Value* w, const ty
 // the 30 layers (attn::decode_layers) 0.78 of the time on one thread, 0.94 on two (both builds in
 // one process, run in turn, median of 12 paired ratios, 2026-12-07); not at three rows (1.19 and
 // 1.05), and not fp32 at two (1.18 and 1.23: a weight row of fp32 is twice the loads a product).
-// Where a pass takes more than one weight row, they are prefetched.
+// Where a pass takes more than one weight row, they are prefetched. Past 8 rows bf16 prefetches
+// into L1, 3 blocks ahead: on an AMD EPYC Zen 5, 2 threads, the products of 30 layers and the
+// head of that shape at 16 rows (builds in one process, run in turn, median of 25 paired ratios,
+// 2026-12-07) took 0.92-0.93 of the time of L2 2 blocks ahead (L1 2 ahead 1.01, 8 ahead 0.99; L2
+// 4 ahead 1.09; no prefetch 1.32); at 12 rows 0.99, at 9 0.91; the bench's 16-row bf16 decode
+// ran 1.01, 1.05 and 1.14 times as many tokens a second in three paired runs. Not measured on
+// Zen 4 or Intel, where L1 was the slower target at 1 to 8 rows (above).
 template <typename D, int M, int R>
 ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Value* X, const typename D::Value* bias,
                               typename D::Value* Y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int64_t kAhead = M > 8 ? 2 * R : D::kAhead;  // prefetch distance, weight rows
+  constexpr int64_t kAhead = M > 8 ? D::kBlocksAhead * R : D::kAhead;  // prefetch distance, weight rows
   constexpr bool kPrefetch = D::rows_per_pass(M) > 1;
   // sums[m * R + r]; a pass stores its sums rounded up to 16 floats, which the 16 spare cover
   alignas(64) float sums[(M * R + 15) / 16 * 16 + 16];
