@@ -42,6 +42,7 @@ equality would not hold (measured: a bf16 forward compiled by inductor differs f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -66,8 +67,8 @@ ROWS = 16
 PAD = 16
 
 
-# Queries a block of a long pass without grad computes, over the keys up to the last one the
-# block may attend (exact_attention): a causal prefill of 512 tokens reads 0.62 of its scores.
+# Queries a block of a pass computes, over the keys up to the last one the block may attend
+# (exact_attention, its forward and backward): a causal pass of 512 tokens reads 0.62 of its scores.
 QUERY_BLOCK = 128
 
 
@@ -134,31 +135,66 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 class _ExactAttention(torch.autograd.Function):
-    """Attention in float64 that saves only q, k, v and the mask for backward (the (s, L)
-    probabilities are recomputed: float64 scores of a training pass would not fit).
-
-    Takes q as (b, h_kv, g * s, d): the g query heads that share a key head are rows of one
-    product, so keys and values are never repeated per head.
-    """
+    """Attention in float64, ``QUERY_BLOCK`` queries at a time (``_query_blocks``), that saves
+    only q, k, v and the mask for backward: each block's (s_block, keys) probabilities are
+    recomputed there (a training pass's float64 scores would not fit whole). q (b, h, s, d), k
+    and v (b, h_kv, L, d), mask as ``_head_mask`` gives it; (b, h, s, d)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):  # type: ignore[no-untyped-def, override]
         ctx.save_for_backward(q, k, v, mask)
-        ctx.scale = scale
-        probs = _probabilities(q, k, mask, scale)  # (b, h_kv, g * s, L)
-        return (probs @ v.double()).to(q.dtype)  # (b, h_kv, g * s, d)
+        ctx.scale, ctx.block = scale, QUERY_BLOCK  # backward recomputes the forward's blocks
+        b, h, _, d = q.shape
+        blocks = [
+            (probs @ v[:, :, :keys].double()).to(q.dtype).view(b, h, last - first, d)  # (b, h, s_block, d)
+            for first, last, keys, _, probs in _query_blocks(q, k, mask, scale, QUERY_BLOCK)
+        ]
+        return torch.cat(blocks, 2)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
         q, k, v, mask = ctx.saved_tensors
-        probs = _probabilities(q, k, mask, ctx.scale)  # (b, h_kv, g * s, L)
-        grad = grad.double()  # (b, h_kv, g * s, d)
-        grad_v = probs.transpose(-1, -2) @ grad  # (b, h_kv, L, d)
-        grad_probs = grad @ v.double().transpose(-1, -2)  # (b, h_kv, g * s, L)
-        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) * ctx.scale
-        grad_q = grad_scores @ k.double()  # (b, h_kv, g * s, d)
-        grad_k = grad_scores.transpose(-1, -2) @ q.double()  # (b, h_kv, L, d)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        b, h, _, d = q.shape
+        h_kv = k.shape[1]
+        grad_k = torch.zeros(k.shape, dtype=torch.float64, device=k.device)  # (b, h_kv, L, d): a sum over blocks
+        grad_v = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+        grad_q = []
+        for first, last, keys, rows, probs in _query_blocks(q, k, mask, ctx.scale, ctx.block):
+            grad_rows = grad[:, :, first:last].double().reshape(b, h_kv, -1, d)  # (b, h_kv, g * s_block, d)
+            values, keys_wide = v[:, :, :keys].double(), k[:, :, :keys].double()  # (b, h_kv, keys, d)
+            grad_v[:, :, :keys] += probs.transpose(-1, -2) @ grad_rows
+            grad_probs = grad_rows @ values.transpose(-1, -2)  # (b, h_kv, g * s_block, keys)
+            grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) * ctx.scale
+            grad_q.append((grad_scores @ keys_wide).view(b, h, last - first, d))
+            grad_k[:, :, :keys] += grad_scores.transpose(-1, -2) @ rows.double()
+        return torch.cat(grad_q, 2).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+
+
+def _query_blocks(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float, block: int
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """q's queries ``block`` at a time, each block over the keys up to the last one any of
+    its queries may attend: a causal pass of 512 tokens reads 0.62 of the scores. The keys left
+    out have zero weight for every query of the block, so a query's float64 sums change only
+    their grouping, as between a decode step and a prefill, and its rounded result does not.
+    q (b, h, s, d), k (b, h_kv, L, d), mask as ``_head_mask`` gives it. Yields each block's
+    first and last query (s_block = last - first), its keys, its queries as rows (b, h_kv,
+    g * s_block, d), head-major as q's heads, and their probabilities (b, h_kv, g * s_block,
+    keys)."""
+    b, h, s, d = q.shape
+    h_kv, L = k.shape[1], k.shape[2]
+    by_query = mask.shape[-2] != 1
+    allowed = mask.reshape(-1, *mask.shape[-2:]).any(0)  # (s or 1, L or 1): may any row attend
+    for first in range(0, s, block):
+        last = min(first + block, s)
+        block_mask = mask[..., first:last, :] if by_query else mask  # (.., s_block or 1, L or 1)
+        keys = L
+        if mask.shape[-1] != 1:
+            seen = (allowed[first:last] if by_query else allowed).any(0).nonzero()
+            keys = int(seen[-1]) + 1 if len(seen) else 1  # none: the block's queries get zeros
+            block_mask = block_mask[..., :keys]
+        rows = q[:, :, first:last].reshape(b, h_kv, (h // h_kv) * (last - first), d)  # (b, h_kv, g * s_block, d)
+        yield first, last, keys, rows, _probabilities(rows, k[:, :, :keys], block_mask, scale)
 
 
 def _probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -249,42 +285,12 @@ def exact_attention(
     if mask is None:
         mask = torch.ones((s, L), dtype=torch.bool, device=q.device).tril()
     mask = _head_mask(mask.expand(*mask.shape[:-2], s, L), b, h, h_kv, s, L)
-    rows = q.reshape(b, h_kv, (h // h_kv) * s, d)  # (b, h_kv, g * s, d): head-major, as q's heads
     factor = 1.0 / math.sqrt(d) if scale is None else scale
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if shared is not None and shared[0] > 1 and 0 < shared[1] <= L and not grad:
+        rows = q.reshape(b, h_kv, (h // h_kv) * s, d)  # (b, h_kv, g * s, d): head-major, as q's heads
         return _shared_attention(rows, k, v, mask, factor, *shared).reshape(b, h, s, d)
-    if s > QUERY_BLOCK and not grad:
-        return _in_query_blocks(q, k, v, mask, factor)
-    out = _ExactAttention.apply(rows, k, v, mask, factor)
-    return out.view(b, h, s, d)
-
-
-def _in_query_blocks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """``_ExactAttention``'s forward ``QUERY_BLOCK`` queries at a time, each block over the keys
-    up to the last one any of its queries may attend: a causal prefill of 512 tokens reads 0.62
-    of the scores. The keys left out have zero weight for every query of the block, so a query's
-    float64 sums change only their grouping, as between a decode step and a prefill. q (b, h, s,
-    d), k and v (b, h_kv, L, d), mask as ``_head_mask`` gives it; (b, h, s, d)."""
-    b, h, s, d = q.shape
-    h_kv, L = k.shape[1], k.shape[2]
-    by_query = mask.shape[-2] != 1
-    allowed = mask.reshape(-1, *mask.shape[-2:]).any(0)  # (s or 1, L or 1): may any row attend
-    blocks = []
-    for first in range(0, s, QUERY_BLOCK):
-        last = min(first + QUERY_BLOCK, s)
-        block_mask = mask[..., first:last, :] if by_query else mask  # (.., s_block or 1, L or 1)
-        keys = L
-        if mask.shape[-1] != 1:
-            seen = (allowed[first:last] if by_query else allowed).any(0).nonzero()
-            keys = int(seen[-1]) + 1 if len(seen) else 1  # none: the block's queries get zeros
-            block_mask = block_mask[..., :keys]
-        rows = q[:, :, first:last].reshape(b, h_kv, (h // h_kv) * (last - first), d)  # (b, h_kv, g * s_block, d)
-        probs = _probabilities(rows, k[:, :, :keys], block_mask, scale)  # (b, h_kv, g * s_block, keys)
-        blocks.append((probs @ v[:, :, :keys].double()).to(q.dtype).view(b, h, last - first, d))
-    return torch.cat(blocks, 2)
+    return _ExactAttention.apply(q, k, v, mask, factor)
 
 
 def _exact_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

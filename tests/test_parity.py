@@ -117,19 +117,58 @@ def test_exact_attention_matches_naive_and_ignores_key_order_and_masked_keys(
     assert torch.equal(exact_attention(q, k2, v2, allowed2), out)
 
 
-def test_exact_attention_causal_gradients_and_a_query_with_no_key() -> None:
+@pytest.mark.parametrize("block", [2, 128])
+def test_exact_attention_causal_gradients_and_a_query_with_no_key(block) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = exact_attention(q, k, v, None)  # causal
-    causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    torch.testing.assert_close(out, naive_attention(q, k, v, causal))
-    grad = torch.randn_like(out)
+    with mock.patch.object(attn.parity, "QUERY_BLOCK", block):
+        out = exact_attention(q, k, v, None)  # causal
+        causal = torch.ones(5, 5, dtype=torch.bool).tril()
+        torch.testing.assert_close(out, naive_attention(q, k, v, causal))
+        grad = torch.randn_like(out)
+        ours = torch.autograd.grad(out, (q, k, v), grad)
+        theirs = torch.autograd.grad(naive_attention(q, k, v, causal), (q, k, v), grad)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b)
+        nothing = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+        blind = exact_attention(q, k, v, nothing)
+        assert torch.equal(blind, torch.zeros_like(q))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in torch.autograd.grad(blind, (q, k, v), grad))
+
+
+@given(
+    b=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    s=st.integers(1, 9),
+    extra=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+    block=st.integers(1, 10),
+    causal=st.booleans(),
+)
+def test_exact_attention_gradients_in_query_blocks_match_naive(
+    b, kv_heads, group, s, extra, seed, block, causal
+) -> None:
+    """A pass with grad runs its forward and backward in query blocks (``QUERY_BLOCK`` drawn):
+    each block's keys end at its last visible one, and the keys' and values' gradients sum
+    over the blocks. The forward is the no-grad pass's bits."""
+    torch.manual_seed(seed)
+    L, h, d = s + extra, kv_heads * group, 8
+    q = torch.randn(b, h, s, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, L, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    allowed = torch.rand(b, 1, s, L) < 0.7
+    if causal:
+        allowed &= torch.ones(s, L, dtype=torch.bool).tril(extra)
+    allowed[..., 0] = True  # every query sees a key
+    with mock.patch.object(attn.parity, "QUERY_BLOCK", block):
+        out = exact_attention(q, k, v, allowed)
+        with torch.no_grad():
+            assert torch.equal(exact_attention(q, k, v, allowed), out)
+    grad = torch.randn_like(out)  # the backward recomputes the forward's blocks, whatever QUERY_BLOCK is now
     ours = torch.autograd.grad(out, (q, k, v), grad)
-    theirs = torch.autograd.grad(naive_attention(q, k, v, causal), (q, k, v), grad)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b)
-    nothing = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
-    assert torch.equal(exact_attention(q, k, v, nothing), torch.zeros_like(q))
+    theirs = torch.autograd.grad(naive_attention(q, k, v, allowed), (q, k, v), grad)
+    for mine, naive in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, naive)
 
 
 def training_logprobs(model, tokens, positions, mask, prompt_length, targets, temperature=1.0):
@@ -158,8 +197,8 @@ def training_logprobs(model, tokens, positions, mask, prompt_length, targets, te
 def test_generation_logprobs_equal_the_training_forward_bit_for_bit(
     prompts, samples, steps, dtype, kv_heads, window, seed, gemma3, block
 ) -> None:
-    """Generation's prefill runs its attention in query blocks (``QUERY_BLOCK`` drawn), the
-    training forward (grad) in one."""
+    """Generation's prefill runs its attention in query blocks of the drawn ``QUERY_BLOCK``, the
+    training forward (grad) in blocks of 128."""
     options = GEMMA_OPTIONS["gemma3"] if gemma3 else {"sliding_window": window}
     model = tiny_model(seed % 7, num_kv_heads=kv_heads, **options).to(dtype)
     attn.set_parity_mode(model)
