@@ -468,17 +468,21 @@ def _start_inductor_setup() -> threading.Thread:
     Before its first compile in a process inductor checks which vector instruction sets the
     C++ compiler can target: per set, a probe program (built once per cache folder) and a
     child process that loads it, about 2.5 s on a 2-core Intel Xeon with the probes built.
-    Those are waits on other processes, so run here they overlap dynamo's tracing of the
-    step, which comes first; the step's compile joins the thread before it starts.
+    Those are waits on other processes, so run in a thread they overlap dynamo's tracing of
+    the step, which comes first; the step's compile joins the thread before it starts. The
+    modules the probes use are imported first, on the calling thread (the compile imports them
+    anyway): the thread then runs no module's import-time code beside the caller's.
     """
+    with contextlib.suppress(Exception):  # only a head start: inductor probes again, and reports what fails
+        import torch._inductor.codecache
+        import torch._inductor.cpp_builder
+        import torch._inductor.cpu_vec_isa  # noqa: F401
 
     def probe() -> None:
-        try:
+        with contextlib.suppress(Exception):
             from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
             valid_vec_isa_list()  # cached for the process: inductor's later call returns at once
-        except Exception:  # only a head start: inductor probes again, and reports what fails
-            pass
 
     thread = threading.Thread(target=probe, name="attn-inductor-setup", daemon=True)
     thread.start()
@@ -569,7 +573,9 @@ class DecodeCompiled(nn.Module):
         # alone turns symbolic, from its second value on (``_mark_cache_length_dynamic``).
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=self._backend)
         object.__setattr__(self, "_step", step)
-        object.__setattr__(self, "_inductor_setup", _start_inductor_setup())  # joined by the first compile
+        # Started by the first compiled call (none where every step runs natively), joined by the first compile.
+        object.__setattr__(self, "_inductor_setup", None)
+        object.__setattr__(self, "_setup_started", False)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -585,7 +591,7 @@ class DecodeCompiled(nn.Module):
         from torch._inductor.compile_fx import compile_fx
 
         start = time.perf_counter()
-        if self._inductor_setup is not None:  # the probes started in __init__, run beside dynamo's trace
+        if self._inductor_setup is not None:  # the probes, run beside dynamo's trace
             self._inductor_setup.join()
             object.__setattr__(self, "_inductor_setup", None)
         self.stats.graphs += 1
@@ -697,6 +703,9 @@ class DecodeCompiled(nn.Module):
                 )
         if use_cache:
             self._follow_cache_length(kwargs.get("mask"))
+        if not self._setup_started:  # the step may compile now: inductor's probes start beside its trace
+            object.__setattr__(self, "_setup_started", True)
+            object.__setattr__(self, "_inductor_setup", _start_inductor_setup())
         # Checked here or by the caller: one compiled step for generate and hand-written loops.
         limit = max(DecodeCompiled.graphs_in_process + _GRAPHS_PER_STEP, recompile_limit())
         step = functools.partial(self._step, tokens, use_cache=use_cache, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -287,16 +288,23 @@ def test_bf16_step_rounds_where_eager_rounds(native: bool, batch_size: int) -> N
 @needs_bf16_matvec
 def test_steps_the_eager_model_runs_natively_run_so_and_compile_nothing() -> None:
     """A cached step whose layers the eager model runs as attn::decode_layer calls runs the
-    eager step (faster than a compiled one, and no compile); native_layers=False compiles it."""
+    eager step (faster than a compiled one, and no compile); native_layers=False compiles it.
+    Inductor's probes start in a thread with the first compiled step only: none runs beside
+    the caller's code where nothing compiles."""
     model = tiny_model(head_dim=16, hidden_dim=64).to(torch.bfloat16)
     expected = attn.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS)
-    fast = compile_for_decode(model)
-    got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
+    setup = attn.fast_decode._start_inductor_setup
+    with mock.patch.object(attn.fast_decode, "_start_inductor_setup", wraps=setup) as started:
+        fast = compile_for_decode(model)
+        got = attn.generate(fast, PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert started.call_count == 0
+        compiled = compile_for_decode(model, native_layers=False)
+        again = attn.generate(compiled, PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert started.call_count == 1  # once, before the first compiled step
     assert torch.equal(got.tokens, expected.tokens)
     assert fast.stats.graphs == 0 and fast.stats.native_steps == NEW_TOKENS - 1, fast.stats
-    compiled = compile_for_decode(model, native_layers=False)
-    again = attn.generate(compiled, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert compiled.stats.graphs == 1 and compiled.stats.native_steps == 0, compiled.stats
+    assert compiled._inductor_setup is None  # joined by the compile
     torch.testing.assert_close(again.logprobs, expected.logprobs, rtol=2**-4, atol=2**-4)
 
 

@@ -16,8 +16,8 @@ otherwise land in the cold figure or not depending on what ran on the machine be
 process also pays about 3-4 s of it again (inductor runs each probe program once a process).
 
 A third process, warm, times no setup apart ("warm as run"): from ``compile_for_decode`` to
-the tokens, as a user's second run waits, the per-process probes included (the step starts
-them in a thread of their own, beside dynamo's trace).
+the tokens, as a user's second run waits, the per-process probes included (the first compiled
+step starts them in a thread of their own, beside dynamo's trace).
 """
 
 from __future__ import annotations
