@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import statistics
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 import attn
 from attn import bench, huge_pages
 from attn.bench import run as run_module
+from attn.bench import targets as targets_module
 from attn.bench.check import check_logits, check_tokens
 from attn.bench.contenders import (
     DEFAULT_CONTENDERS,
@@ -32,8 +35,10 @@ from attn.bench.contenders import (
     llama_cpp_available,
     transformers_available,
 )
+from attn.bench.measure import Stats
 from attn.bench.rl import SMOLLM2_135M as SMOLLM2
-from attn.bench.run import BenchSpec, run_benchmark
+from attn.bench.run import BenchSpec, Row, run_benchmark
+from attn.bench.targets import Targets
 from attn.policy import CachePolicy
 from attn.rope import RopeScaling
 
@@ -112,6 +117,26 @@ def test_report_relates_attn_compiled_to_every_contender_and_checks_the_targets(
     assert f"{roof:.0%} of the roofline ({cell['bound']}-bound) (target >= 0%): met" in verdicts
     assert f"roofline {cell['roofline_tokens_per_s']:.0f} tok/s, {cell['bound']}-bound" in report
     assert "%roof" in report and f"{roof:.0%} of the roofline" in summary
+
+
+@given(
+    mine=st.lists(st.integers(50, 150), min_size=1, max_size=5),
+    theirs=st.lists(st.integers(50, 150), min_size=1, max_size=5),
+)
+def test_faster_than_verdicts_read_the_medians_and_say_where_the_runs_overlap(mine, theirs) -> None:
+    """The verdict compares the medians; where the two contenders' runs overlap in speed, the
+    line says the verdict is within the machine's spread."""
+    rows = {
+        name: Row("cell", name, "", decode_tokens_per_s=Stats.of([float(v) for v in speeds]))
+        for name, speeds in (("attn-compiled", mine), ("llama.cpp", theirs))
+    }
+    info = types.SimpleNamespace(dtype="bf16", bound="memory")
+    wanted = Targets(faster_than=("llama.cpp",))
+    (line,) = targets_module._cell_checks(info, rows, rows["attn-compiled"], wanted)
+    ratio = statistics.median(mine) / statistics.median(theirs)
+    assert line.startswith(f"{ratio:.2f}x llama.cpp (target > 1.00x): {'met' if ratio > 1 else 'NOT MET'}"), line
+    overlap = min(mine) <= max(theirs) and min(theirs) <= max(mine)
+    assert ("within this machine's spread" in line) == overlap, line
 
 
 @pytest.mark.parametrize(

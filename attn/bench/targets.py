@@ -99,7 +99,7 @@ def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Ta
             out.append(f"faster than {name}: not measured ({why})")
             continue
         ratio = speed / peer.decode_tokens_per_s.median
-        out.append(_verdict(f"{ratio:.2f}x {name}", "> 1.00x", ratio > 1.0))
+        out.append(_verdict(f"{ratio:.2f}x {name}", "> 1.00x", ratio > 1.0) + _overlap(subject, peer))
     for name, most in targets.peak_rss_at_most.items():
         peer = rows.get(name)
         if peer is None or not peer.peak_rss_mb or not subject.peak_rss_mb:
@@ -108,6 +108,19 @@ def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Ta
         ratio = subject.peak_rss_mb / peer.peak_rss_mb
         out.append(_verdict(f"peak RSS {ratio:.2f}x {name}'s", f"<= {most:.2f}x", ratio <= most))
     return out
+
+
+def _overlap(subject: Row, peer: Row) -> str:
+    """Where the two contenders' timed runs overlap in speed: a note that the verdict, read
+    from the medians, is within the machine's run-to-run spread (on a shared VM two contenders
+    running the same code have read 0.76x in one run); else nothing."""
+    mine, theirs = subject.decode_tokens_per_s, peer.decode_tokens_per_s
+    if mine is None or theirs is None or mine.min > theirs.max or mine.max < theirs.min:
+        return ""
+    return (
+        f" (runs overlap: {mine.min:.1f}-{mine.max:.1f} against {theirs.min:.1f}-{theirs.max:.1f} tok/s,"
+        " within this machine's spread)"
+    )
 
 
 def _verdict(measured: str, target: str, met: bool) -> str:
