@@ -163,7 +163,7 @@ row), at 4 they were equal (10.8-11.4 against 11.1-11.6)."""
 _CSRC = Path(__file__).with_name("csrc")
 _KERNELS = (
     "few_rows_linear", "amx_linear", "avx2_linear", "invariant_linear", "decode_attention", "avx2_layers",
-    "decode_layers", "decode_loop"
+    "decode_layers", "decode_loop", "first_argmax"
 )  # fmt: skip
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
 _HEADERS = [
@@ -177,6 +177,7 @@ _LIBRARY.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("avx2_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIBRARY.define("invariant_linear(Tensor x, Tensor weight) -> Tensor")
+_LIBRARY.define("first_argmax(Tensor x) -> Tensor")
 _LIBRARY.define(
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor attn_mask, float scale, bool widen=False, int group=1, "
     "int shared=0) -> Tensor"
@@ -216,7 +217,7 @@ def _build_then_call(name: str) -> Callable[..., torch.Tensor]:
 
 _OPERATORS = (
     "bf16_matvec", "fp32_linear", "invariant_linear", "amx_linear", "avx2_linear", "decode_attention",
-    "decode_layers", "decode_loop"
+    "decode_layers", "decode_loop", "first_argmax"
 )  # fmt: skip
 for _name in _OPERATORS:
     _LIBRARY.impl(_name, _build_then_call(_name), "CompositeExplicitAutograd")
@@ -245,6 +246,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 @torch.library.register_fake("attn::avx2_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("attn::first_argmax")
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:1], dtype=torch.long)  # (b,)
 
 
 @torch.library.register_fake("attn::decode_attention")
@@ -401,6 +407,12 @@ def _built_here() -> bool:
         )
         return False
     return True
+
+
+def loaded() -> bool:
+    """Are the native kernels loaded in this process (built, or loaded from torch's cache, by an
+    earlier call)? Unlike ``native_available``, this never starts a build."""
+    return _built
 
 
 def native_available() -> bool:

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attn
+import attn.native
 from attn import generate, padded_causal_mask
 from attn.generation import _Buffers, _draw, _sample
 from attn.policy import CachePolicy
 
-from .conftest import HostSyncCounter, assert_cache_unchanged, cache_state, examples, poison_on_reset, tiny_model
+from .conftest import (
+    HostSyncCounter,
+    OperatorCalls,
+    assert_cache_unchanged,
+    cache_state,
+    examples,
+    needs_avx2,
+    poison_on_reset,
+    tiny_model,
+)
 
 
 def naive_greedy(model: attn.TransformerDecoder, prompt: list[int], steps: int) -> list[int]:
@@ -235,23 +247,30 @@ def test_on_tokens_sees_the_tokens_of_the_output_in_order(monkeypatch: pytest.Mo
     assert counter.count == without
 
 
+@pytest.mark.parametrize("kernel", ["aten.max.dim", pytest.param("attn.first_argmax.default", marks=needs_avx2)])
 @given(
     rows=st.integers(1, 4),
     vocab=st.integers(1, 300),
     levels=st.integers(1, 4),  # few distinct values: ties everywhere
-    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf", "-0.0"]), max_size=3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=examples(60), deadline=None)
-def test_greedy_picks_argmax_token_ties_and_nans_included(rows, vocab, levels, specials, dtype, seed):
-    """Greedy sampling takes max's indices for speed: the token is argmax's (the first of tied
-    largest logits, a NaN before all), and its logprob is log_softmax's at that token."""
+def test_greedy_picks_argmax_token_ties_and_nans_included(kernel, rows, vocab, levels, specials, dtype, seed):
+    """Greedy sampling takes max's indices, or attn::first_argmax's where the native kernels are
+    loaded, for speed: the token is argmax's (the first of tied largest logits, a NaN before
+    all), and its logprob is log_softmax's at that token."""
+    native = kernel.startswith("attn.")
+    if native:
+        attn.native.build_native()
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels, (rows, vocab), generator=gen).to(dtype)
     for i, special in enumerate(specials):
         logits[i % rows, int(torch.randint(0, vocab, (1,), generator=gen))] = float(special)
-    tokens, logprobs = _sample(logits, 0.0, None, None)
+    with mock.patch.object(attn.native, "loaded", lambda: native), OperatorCalls() as calls:
+        tokens, logprobs = _sample(logits, 0.0, None, None)
+    assert kernel in calls.names
     expected = logits.float().argmax(-1)
     assert torch.equal(tokens, expected)
     reference = logits.float().log_softmax(-1).gather(-1, expected[:, None]).squeeze(-1)

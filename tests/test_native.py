@@ -1,12 +1,13 @@
 """attn.native: the few-row kernels ``attn::bf16_matvec``, ``attn::fp32_linear``,
 ``attn::amx_linear`` and ``attn::avx2_linear``, the
 few-query attention kernel ``attn::decode_attention`` and the decoder layers' step
-``attn::decode_layers`` against float64 references, their errors, and what happens where they
-cannot be built."""
+``attn::decode_layers`` against float64 references, greedy decoding's ``attn::first_argmax``
+against ``torch.max``, their errors, and what happens where they cannot be built."""
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 import shutil
 import subprocess
@@ -568,6 +569,68 @@ def _tensors(q_shape, kv_shape, dtype=torch.float32, kv_dtype=None, mask_shape=N
 def test_attention_bad_input_names_the_values(tensors, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.attn.decode_attention(*tensors, 0.25)
+
+
+_SPECIAL_LOGITS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "-0.0": -0.0, "0.0": 0.0}
+
+
+@needs_avx2
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 200),  # past 32 and 8 at a time, and their tails
+    levels=st.integers(1, 4),  # few distinct values: ties everywhere
+    specials=st.lists(st.tuples(st.sampled_from(sorted(_SPECIAL_LOGITS)), st.integers(0, 2**16)), max_size=4),
+    transposed=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@example(rows=1, vocab=40, levels=1, specials=[("nan", 39)], transposed=False, threads=1, seed=0)  # NaN in the tail
+@example(rows=2, vocab=9, levels=1, specials=[("-inf", 0)] * 9, transposed=False, threads=1, seed=0)
+@settings(max_examples=examples(100), deadline=None)
+def test_first_argmax_is_max_indices_ties_nans_and_zeros_included(
+    rows, vocab, levels, specials, transposed, threads, seed
+):
+    """``attn::first_argmax`` gives ``torch.max(x, -1).indices``: the first of tied largest
+    values, the first NaN where a row has one, -0.0 and 0.0 alike; for any layout of x."""
+    build_native()
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-2, levels, (rows, vocab), generator=gen).float()  # (b, v)
+    for name, where in specials:
+        logits.view(-1)[where % logits.numel()] = _SPECIAL_LOGITS[name]
+    if transposed:  # the same values, column-major
+        logits = logits.t().contiguous().t()
+    torch.set_num_threads(threads)
+    assert torch.equal(torch.ops.attn.first_argmax(logits), logits.max(-1).indices)
+
+
+@needs_avx2
+def test_first_argmax_splits_a_vocabulary_of_rows_between_threads():
+    """16 rows of 49,152 logits on 2 threads (the rows split between them), ties placed across
+    rows and a NaN in one: max's indices."""
+    build_native()
+    logits = torch.randn(16, 49_152, generator=torch.Generator().manual_seed(0))  # (b, v)
+    logits[3, [100, 40_000]] = 9.0  # a tie: the first
+    logits[7, [5, 49_151]] = math.nan
+    logits[11, -1] = 9.0  # the very last logit
+    torch.set_num_threads(2)
+    tokens = torch.ops.attn.first_argmax(logits)
+    assert torch.equal(tokens, logits.max(-1).indices)
+    assert tokens[[3, 7, 11]].tolist() == [100, 5, 49_151]
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("logits", "message"),
+    [
+        (torch.zeros(2, 3, dtype=torch.bfloat16), r"takes fp32 \(b, v\) CPU logits with v >= 1, got \[2, 3\] BFloat16"),
+        (torch.zeros(3), r"got \[3\] Float"),
+        (torch.zeros(2, 0), r"v >= 1, got \[2, 0\]"),
+    ],
+)
+def test_first_argmax_bad_input_names_the_values(logits, message):
+    build_native()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.first_argmax(logits)
 
 
 def test_every_header_the_sources_include_is_hashed_into_the_build():

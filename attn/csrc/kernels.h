@@ -68,6 +68,10 @@ inline void check_shared_slots(const char* name, int64_t rows, int64_t group, in
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& attn_mask,
                             double scale, bool widen = false, int64_t group = 1, int64_t shared = 0);
 
+// Each row's index of its largest value, the first of equal ones, a NaN the largest: torch.max(x,
+// -1).indices for fp32 (b, v) CPU logits, with AVX2 (first_argmax.cpp); greedy decoding's tokens.
+at::Tensor first_argmax(const at::Tensor& x);
+
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
 // it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
 // products and the AVX2 code below, for a CPU without AVX512-BF16. group, shared: the caches'
