@@ -137,8 +137,7 @@ def _sample(
         tokens = _first_largest(scaled)  # (b,)
     else:
         if top_k is not None:
-            kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # (b, 1)
-            scaled.masked_fill_(scaled < kth, float("-inf"))
+            _keep_top_k(scaled, top_k)
         tokens = _draw(torch.softmax(scaled, -1, out=buffers.probs), generator, buffers.cumulative)  # (b,)
     logprobs = torch.log_softmax(scaled, -1, out=buffers.probs)  # (b, v)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # each (b,)
@@ -152,6 +151,18 @@ def _first_largest(scaled: torch.Tensor) -> torch.Tensor:
     if scaled.device.type == "cpu" and native.loaded():
         return torch.ops.attn.first_argmax.default(scaled)
     return scaled.max(-1).indices
+
+
+def _keep_top_k(scaled: torch.Tensor, k: int) -> None:
+    """Sets each logit below its row's k-th largest (a NaN ranked above every number, as topk
+    ranks it) to -inf, in place: with topk and masked_fill_, or ``attn::keep_top_k``, the same
+    values, for k up to ``KEEP_TOP_K_MOST`` on a CPU where attn's native kernels are loaded (16
+    rows of 49,152 at k = 50, 2 threads, Zen 5: 0.29 against 1.66 ms). (b, v) fp32, in place."""
+    if scaled.device.type == "cpu" and scaled.is_contiguous() and k <= native.KEEP_TOP_K_MOST and native.loaded():
+        torch.ops.attn.keep_top_k.default(scaled, k)
+        return
+    kth = scaled.topk(k, dim=-1).values[:, -1:]  # (b, 1)
+    scaled.masked_fill_(scaled < kth, float("-inf"))
 
 
 def _draw(

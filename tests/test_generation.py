@@ -277,21 +277,25 @@ def test_greedy_picks_argmax_token_ties_and_nans_included(kernel, rows, vocab, l
     torch.testing.assert_close(logprobs, reference, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_avx2)])
 @given(
     rows=st.integers(1, 4),
     vocab=st.integers(1, 300),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     temperature=st.sampled_from([0.0, 0.5, 1.0]),
-    top_k=st.sampled_from([None, 1, 5]),
+    top_k=st.sampled_from([None, 1, 5, 257]),  # 257: past attn::keep_top_k's, topk's
     steps=st.integers(1, 3),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=examples(40), deadline=None)
-def test_sampling_into_reused_buffers_equals_fresh_tensors(rows, vocab, dtype, temperature, top_k, steps, seed):
+def test_sampling_into_reused_buffers_equals_fresh_tensors(native, rows, vocab, dtype, temperature, top_k, steps, seed):
     """The decode loop samples into buffers it reuses every step: tokens and logprobs equal
     those of the sampler written here with fresh tensors, bit for bit, step after step (the
     buffers hold the last step's values), from the same generator state, and the logits given
-    are left as they were."""
+    are left as they were; with ATen's calls, and with attn's native kernels where they are
+    loaded (``attn::first_argmax``, ``attn::keep_top_k`` up to its largest k)."""
+    if native:
+        attn.native.build_native()
 
     def fresh(logits, generator):
         x = logits.float()
@@ -313,7 +317,12 @@ def test_sampling_into_reused_buffers_equals_fresh_tensors(rows, vocab, dtype, t
         logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed + step)) * 3).to(dtype)
         before = logits.clone()
         expected = fresh(logits, fresh_gen)
-        got = _sample(logits, temperature, k, reused_gen, buffers)
+        with mock.patch.object(attn.native, "loaded", lambda: native), OperatorCalls() as calls:
+            got = _sample(logits, temperature, k, reused_gen, buffers)
+        if temperature == 0.0:
+            assert ("attn.first_argmax.default" in calls.names) == native
+        elif k is not None:
+            assert ("attn.keep_top_k.default" in calls.names) == (native and k <= attn.native.KEEP_TOP_K_MOST)
         assert torch.equal(got[0], expected[0])
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0, equal_nan=True)
         assert torch.equal(logits, before)

@@ -1,8 +1,8 @@
 """attn.native: the few-row kernels ``attn::bf16_matvec``, ``attn::fp32_linear``,
 ``attn::amx_linear`` and ``attn::avx2_linear``, the
 few-query attention kernel ``attn::decode_attention`` and the decoder layers' step
-``attn::decode_layers`` against float64 references, greedy decoding's ``attn::first_argmax``
-against ``torch.max``, their errors, and what happens where they cannot be built."""
+``attn::decode_layers`` against float64 references, the samplers' ``attn::first_argmax`` and
+``attn::keep_top_k`` against ``torch.max`` and ``topk``, their errors, and what happens where they cannot be built."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from attn.native import (
     AVX2_LINEAR_MAX_ROWS,
     BF16_MATVEC_MAX_ROWS,
     FP32_LINEAR_MAX_ROWS,
+    KEEP_TOP_K_MOST,
     bf16_linear_kernel,
     bf16_matvec_available,
     build_native,
@@ -631,6 +632,78 @@ def test_first_argmax_bad_input_names_the_values(logits, message):
     build_native()
     with pytest.raises(RuntimeError, match=message):
         torch.ops.attn.first_argmax(logits)
+
+
+def _top_k_reference(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The samplers' cut as ATen computes it: below the k-th largest (topk's), -inf."""
+    return logits.masked_fill(logits < logits.topk(k, dim=-1).values[:, -1:], float("-inf"))
+
+
+@needs_avx2
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 300),  # 8 at a time and the tails, k up to the whole row
+    levels=st.integers(1, 6),  # few distinct values: ties at the cut
+    specials=st.lists(st.tuples(st.sampled_from(sorted(_SPECIAL_LOGITS)), st.integers(0, 2**16)), max_size=8),
+    k_share=st.integers(1, 1000),  # k = vocab * k_share / 1000, at least 1
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@example(rows=1, vocab=20, levels=6, specials=[("nan", i) for i in range(5)], k_share=250, threads=1, seed=0)  # k NaNs
+@example(rows=2, vocab=300, levels=6, specials=[], k_share=1000, threads=2, seed=3)  # k = v: nothing cut
+@settings(max_examples=examples(100), deadline=None)
+def test_keep_top_k_cuts_as_topk_and_masked_fill(rows, vocab, levels, specials, k_share, threads, seed):
+    """``attn::keep_top_k`` leaves the logits as ``masked_fill_(x < topk(k).values[:, -1:],
+    -inf)`` does: ties at the k-th value kept, a row's NaNs ranked above every number (a row of
+    k NaNs or more keeps all) and never cut, infinities and signed zeros as they compare."""
+    build_native()
+    k = min(max(1, vocab * k_share // 1000), KEEP_TOP_K_MOST)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, levels, (rows, vocab), generator=gen).float()  # (b, v)
+    for name, where in specials:
+        logits.view(-1)[where % logits.numel()] = _SPECIAL_LOGITS[name]
+    expected = _top_k_reference(logits, k)
+    torch.set_num_threads(threads)
+    torch.ops.attn.keep_top_k(logits, k)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_avx2
+@pytest.mark.parametrize("k", [1, 50, KEEP_TOP_K_MOST])
+def test_keep_top_k_on_a_vocabulary_of_normal_logits(k):
+    """16 rows of 49,152 normal logits (the heap's least rises as it meets them, most are
+    skipped 8 at a time), one row with NaNs, on 2 threads: as topk and masked_fill_."""
+    build_native()
+    logits = torch.randn(16, 49_152, generator=torch.Generator().manual_seed(k)) * 3  # (b, v)
+    logits[5, ::1000] = math.nan
+    expected = _top_k_reference(logits, k)
+    torch.set_num_threads(2)
+    torch.ops.attn.keep_top_k(logits, k)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0, equal_nan=True)
+    assert int((logits[0] > float("-inf")).sum()) == k  # distinct normal values: exactly k kept
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("logits", "k", "message"),
+    [
+        (
+            torch.zeros(2, 3),
+            0,
+            r"k must be in \[1, 3\] \(the logits a row, at most 256; topk is the faster past that\), got 0",
+        ),
+        (torch.zeros(2, 3), 4, r"k must be in \[1, 3\].*got 4"),
+        (torch.zeros(2, 300), 257, r"k must be in \[1, 256\].*got 257"),
+        (torch.zeros(2, 3, dtype=torch.bfloat16), 1, r"contiguous fp32 \(b, v\) CPU logits, got \[2, 3\] BFloat16"),
+        (torch.zeros(3, 2).t(), 1, r"got \[2, 3\] Float \(not contiguous\)"),
+    ],
+)
+def test_keep_top_k_bad_input_names_the_values(logits, k, message):
+    build_native()
+    before = logits.clone()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.keep_top_k(logits, k)
+    assert torch.equal(logits, before)
 
 
 def test_every_header_the_sources_include_is_hashed_into_the_build():

@@ -72,6 +72,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // -1).indices for fp32 (b, v) CPU logits, with AVX2 (first_argmax.cpp); greedy decoding's tokens.
 at::Tensor first_argmax(const at::Tensor& x);
 
+// Top-k sampling's cut in place: each value of contiguous fp32 (b, v) CPU logits below its row's
+// k-th largest (a NaN ranked above every number) becomes -inf, as x.masked_fill_(x < x.topk(k,
+// -1).values[:, -1:], -inf) leaves it, with AVX2 (top_k.cpp); k up to kKeepTopKMost.
+constexpr int64_t kKeepTopKMost = 256;
+void keep_top_k(const at::Tensor& x, int64_t k);
+
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
 // it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
 // products and the AVX2 code below, for a CPU without AVX512-BF16. group, shared: the caches'
