@@ -183,7 +183,8 @@ _KERNELS = (
 )  # fmt: skip
 _SOURCES = [str(_CSRC / f"{name}.cpp") for name in _KERNELS]
 _HEADERS = [
-    _CSRC / f"{name}.h" for name in ("kernels", "layer_steps", "linear_checks", "row_tiles", "shared_slots", "simd")
+    _CSRC / f"{name}.h"
+    for name in ("kernels", "layer_steps", "linear_checks", "product_group", "row_tiles", "shared_slots", "simd")
 ]
 
 

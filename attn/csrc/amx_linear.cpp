@@ -36,6 +36,7 @@
 
 #include "kernels.h"
 #include "linear_checks.h"
+#include "product_group.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -214,12 +215,8 @@ std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::T
               "attn::amx_linear needs a CPU with AMX-BF16");
   TORCH_CHECK(tiles_permitted(), "attn::amx_linear: Linux refused this process AMX's tile state "
               "(arch_prctl ARCH_REQ_XCOMP_PERM); a kernel before 5.16 cannot grant it");
-  TORCH_CHECK(!weights.empty() && weights.size() == biases.size() && weights.size() <= 4,
-              "attn::amx_linear takes 1 to 4 weights, each with a bias or none, got ", weights.size(), " and ",
-              biases.size());
-  int64_t M = 0;
-  for (size_t i = 0; i < weights.size(); ++i)
-    M = attn::check_linear("attn::amx_linear", at::kBFloat16, "bf16", attn::kAmxLinearMaxRows, kStep, x, weights[i], biases[i]);
+  const int64_t M = attn::product_group::check("attn::amx_linear", at::kBFloat16, "bf16", attn::kAmxLinearMaxRows,
+                                               kStep, x, weights, biases);
   const int64_t K = weights[0].size(1);
   const at::Tensor rows = x.contiguous();
   // x as B tiles: feature pair p of row m (two bf16, one uint32) at (half, step, p, m % 16);
@@ -230,7 +227,7 @@ std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::T
   pairs.resize(std::max<size_t>(pairs.size(), halves * steps * kBlock * kBlock));
   repack(reinterpret_cast<const uint32_t*>(rows.data_ptr()), M, K / 2, halves, steps, pairs.data());
   std::vector<at::Tensor> outputs, shifts;
-  Product group[4];
+  Product group[attn::product_group::kMostProducts];
   int64_t count = 0;  // blocks in all
   for (size_t i = 0; i < weights.size(); ++i) {
     const int64_t N = weights[i].size(0);

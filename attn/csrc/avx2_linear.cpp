@@ -26,6 +26,7 @@
 
 #include "kernels.h"
 #include "linear_checks.h"
+#include "product_group.h"
 #include "row_tiles.h"
 
 #include <algorithm>
@@ -168,20 +169,24 @@ const float* widened(const at::Tensor& x, int64_t M, int64_t K, std::vector<floa
   }
 }
 
+using attn::product_group::Target;
+
+// The products of x (M, K) by each of a group's weights, in one parallel region
+// (product_group.h), x widened once for all of them.
 template <typename D, int M>
-void product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& y) {
+void product(const Target* group, int count, const at::Tensor& x, int64_t K) {
   using V = typename D::Value;
   constexpr int R = rows_per_pass(M);
-  const int64_t N = weight.size(0), K = weight.size(1);
   thread_local std::vector<float> buffer;
-  const float* X = widened<D>(x, M, K, buffer);
-  const auto* W = reinterpret_cast<const V*>(weight.data_ptr());
-  const auto* b = bias.defined() ? reinterpret_cast<const V*>(bias.data_ptr()) : nullptr;
-  auto* Y = reinterpret_cast<V*>(y.data_ptr());
-  at::parallel_for(0, N / R, /*grain_size=*/32 / R, [&](int64_t b0, int64_t b1) {
-    outputs<D, M, R>(W, X, b, Y, N, K, b0 * R, b1 * R);
-  });
-  if (N % R != 0) outputs<D, M, 1>(W, X, b, Y, N, K, N - N % R, N);  // the last N % R outputs
+  const float* X = widened<D>(x, M, K, buffer);  // written before the threads start, then only read
+  const auto outputs_of = [&](auto rows_a_pass) {
+    return [&, rows_a_pass](const Target& t, int64_t n0, int64_t n1) {
+      outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), X, static_cast<const V*>(t.bias),
+                                                  static_cast<V*>(t.Y), t.N, K, n0, n1);
+    };
+  };
+  attn::product_group::run<R>(group, count, /*grain=*/32 / R, outputs_of(std::integral_constant<int, R>()),
+                              outputs_of(std::integral_constant<int, 1>()));  // the last N % R outputs of each
 }
 
 // D's loop as attn::row_tiles' kernel (attn::invariant_linear's products): X widened to fp32.
@@ -209,7 +214,7 @@ void tiled_product(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   attn::row_tiles::product<Tiles<D>>(weight.data_ptr(), X, static_cast<typename D::Value*>(y.data_ptr()), M, N, K);
 }
 
-using Product = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Product = void (*)(const Target*, int, const at::Tensor&, int64_t);
 
 template <typename D, size_t... I>
 constexpr std::array<Product, sizeof...(I)> products(std::index_sequence<I...>) {
@@ -220,21 +225,26 @@ constexpr std::array<Product, sizeof...(I)> products(std::index_sequence<I...>) 
 
 namespace attn {
 
-at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+std::vector<at::Tensor> avx2_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
               "attn::avx2_linear needs a CPU with AVX2 and FMA");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const int64_t M = bf16 ? check_linear("attn::avx2_linear", at::kBFloat16, "bf16", kAvx2LinearMaxRows, 1, x, weight, bias)
-                         : check_linear("attn::avx2_linear", at::kFloat, "bf16 or fp32", kAvx2LinearMaxRows, 1, x,
-                                        weight, bias);
+  const int64_t M = bf16 ? product_group::check("attn::avx2_linear", at::kBFloat16, "bf16", kAvx2LinearMaxRows, 1, x,
+                                                weights, biases)
+                         : product_group::check("attn::avx2_linear", at::kFloat, "bf16 or fp32", kAvx2LinearMaxRows, 1,
+                                                x, weights, biases);
   static constexpr auto kBf16 = products<Bf16>(std::make_index_sequence<kAvx2LinearMaxRows>());
   static constexpr auto kFp32 = products<Fp32>(std::make_index_sequence<kAvx2LinearMaxRows>());
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = weight.size(0);
-  const at::Tensor y = at::empty(sizes, x.options());
-  const at::Tensor shift = bias.has_value() ? bias->contiguous() : at::Tensor();
-  (bf16 ? kBf16 : kFp32)[M - 1](x.contiguous(), weight, shift, y);
-  return y;
+  std::vector<at::Tensor> shifts;
+  Target group[product_group::kMostProducts];
+  std::vector<at::Tensor> outputs = product_group::targets(x, weights, biases, group, shifts);
+  (bf16 ? kBf16 : kFp32)[M - 1](group, static_cast<int>(weights.size()), x.contiguous(), weights[0].size(1));
+  return outputs;
+}
+
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return avx2_linear_group(x, {weight}, {bias})[0];
 }
 
 void invariant_product_avx2(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y) {

@@ -134,8 +134,7 @@ Product product_for(at::ScalarType dtype, int64_t rows, int64_t features, Kernel
 }
 
 // The products of x by each weight, with the kernel product_for chooses, in one call (one
-// parallel region, each thread's blocks running from one weight into the next; attn::avx2_linear
-// has no group: one region a weight).
+// parallel region, each thread's blocks running from one weight into the next: product_group.h).
 std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> weights,
                                  std::vector<c10::optional<at::Tensor>> biases, Kernels kernels) {
   switch (product_for(x.scalar_type(), x.size(0), x.size(1), kernels)) {
@@ -143,11 +142,8 @@ std::vector<at::Tensor> products(const at::Tensor& x, std::vector<at::Tensor> we
       return attn::fp32_linear_group(x, weights, biases);
     case Product::kAmx:
       return attn::amx_linear_group(x, weights, biases);
-    case Product::kAvx2: {
-      std::vector<at::Tensor> out;
-      for (size_t i = 0; i < weights.size(); ++i) out.push_back(attn::avx2_linear(x, weights[i], biases[i]));
-      return out;
-    }
+    case Product::kAvx2:
+      return attn::avx2_linear_group(x, weights, biases);
     default:
       return attn::bf16_matvec_group(x, weights, biases);
   }

@@ -45,6 +45,7 @@
 
 #include "kernels.h"
 #include "linear_checks.h"
+#include "product_group.h"
 #include "row_tiles.h"
 #include "simd.h"
 
@@ -52,6 +53,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -242,39 +244,23 @@ ATTN_AVX512_BF16 void outputs(const typename D::Value* W, const typename D::Valu
   }
 }
 
-// One product of a group that shares x: W (N, K) into Y (M, N), plus bias (or null).
-struct Target {
-  const void* W;
-  const void* bias;
-  void* Y;
-  int64_t N;
-};
+using attn::product_group::Target;
 
-// The products of x (M, K) by each of a group's weights, in one parallel region: the group's
-// blocks of R outputs are numbered one product after another, and each thread's run of them
-// goes from one product into the next.
+// The products of x (M, K) by each of a group's weights, in one parallel region
+// (product_group.h).
 template <typename D, int M>
 void product(const Target* group, int count, const void* X, int64_t K) {
   using V = typename D::Value;
   constexpr int R = D::rows_per_pass(M);
   const auto* x = static_cast<const V*>(X);
-  int64_t first[5] = {0};  // product i's blocks are [first[i], first[i + 1])
-  for (int i = 0; i < count; ++i) first[i + 1] = first[i] + group[i].N / R;
-  at::parallel_for(0, first[count], /*grain_size=*/64 / R, [&](int64_t b0, int64_t b1) {
-    for (int i = 0; i < count; ++i) {
-      const int64_t lo = std::max(b0, first[i]), hi = std::min(b1, first[i + 1]);
-      if (lo >= hi) continue;
-      const Target& t = group[i];
-      outputs<D, M, R>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias), static_cast<V*>(t.Y), t.N, K,
-                       (lo - first[i]) * R, (hi - first[i]) * R);
-    }
-  });
-  for (int i = 0; i < count; ++i) {  // the last N % R outputs of each
-    const Target& t = group[i];
-    if (t.N % R != 0)
-      outputs<D, M, 1>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias), static_cast<V*>(t.Y), t.N, K,
-                       t.N - t.N % R, t.N);
-  }
+  const auto outputs_of = [&](auto rows_a_pass) {
+    return [&, rows_a_pass](const Target& t, int64_t n0, int64_t n1) {
+      outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias),
+                                                  static_cast<V*>(t.Y), t.N, K, n0, n1);
+    };
+  };
+  attn::product_group::run<R>(group, count, /*grain=*/64 / R, outputs_of(std::integral_constant<int, R>()),
+                              outputs_of(std::integral_constant<int, 1>()));  // the last N % R outputs of each
 }
 
 // D's loop as attn::row_tiles' kernel (attn::invariant_linear's products).
@@ -302,30 +288,11 @@ std::vector<at::Tensor> linear(const at::Tensor& x, at::ArrayRef<at::Tensor> wei
                                at::ArrayRef<c10::optional<at::Tensor>> biases, int64_t M) {
   static constexpr auto kProducts = products<D>(std::make_index_sequence<D::kMaxRows>());
   const at::Tensor rows = x.contiguous();
-  std::vector<at::Tensor> outputs, shifts;
-  Target group[4];
-  for (size_t i = 0; i < weights.size(); ++i) {
-    std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-    sizes.back() = weights[i].size(0);
-    outputs.push_back(at::empty(sizes, x.options()));
-    shifts.push_back(biases[i].has_value() ? biases[i]->contiguous() : at::Tensor());
-    group[i] = {weights[i].data_ptr(), biases[i].has_value() ? shifts.back().data_ptr() : nullptr,
-                outputs.back().data_ptr(), weights[i].size(0)};
-  }
+  std::vector<at::Tensor> shifts;
+  Target group[attn::product_group::kMostProducts];
+  std::vector<at::Tensor> outputs = attn::product_group::targets(x, weights, biases, group, shifts);
   kProducts[M - 1](group, static_cast<int>(weights.size()), rows.data_ptr(), weights[0].size(1));
   return outputs;
-}
-
-// Checks a group's weights against x (as check_linear does each) and returns M.
-int64_t check_group(const char* name, at::ScalarType dtype, const char* dtype_name, int64_t max_rows,
-                    const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
-                    at::ArrayRef<c10::optional<at::Tensor>> biases) {
-  TORCH_CHECK(!weights.empty() && weights.size() == biases.size() && weights.size() <= 4, name,
-              " takes 1 to 4 weights, each with a bias or none, got ", weights.size(), " and ", biases.size());
-  int64_t M = 0;
-  for (size_t i = 0; i < weights.size(); ++i)
-    M = attn::check_linear(name, dtype, dtype_name, max_rows, 1, x, weights[i], biases[i]);
-  return M;
 }
 
 }  // namespace
@@ -335,7 +302,8 @@ namespace attn {
 std::vector<at::Tensor> bf16_matvec_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
                                           at::ArrayRef<c10::optional<at::Tensor>> biases) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::bf16_matvec needs a CPU with AVX512-BF16");
-  const int64_t M = check_group("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, x, weights, biases);
+  const int64_t M =
+      product_group::check("attn::bf16_matvec", at::kBFloat16, "bf16", Bf16::kMaxRows, 1, x, weights, biases);
   return linear<Bf16>(x, weights, biases, M);
 }
 
@@ -343,7 +311,7 @@ std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::
                                           at::ArrayRef<c10::optional<at::Tensor>> biases) {
   // Built with the bf16 kernel's instruction set (one template for both): the same CPUs.
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
-  const int64_t M = check_group("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, x, weights, biases);
+  const int64_t M = product_group::check("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, 1, x, weights, biases);
   return linear<Fp32>(x, weights, biases, M);
 }
 

@@ -47,6 +47,10 @@ std::vector<at::Tensor> bf16_matvec_group(const at::Tensor& x, at::ArrayRef<at::
 std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
                                           at::ArrayRef<c10::optional<at::Tensor>> biases);
 
+// avx2_linear of x by up to 4 weights of one K at once: one parallel region, x widened once.
+std::vector<at::Tensor> avx2_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
+                                          at::ArrayRef<c10::optional<at::Tensor>> biases);
+
 // amx_linear of x by up to 4 weights of one K at once (q, k and v; gate and up): one parallel
 // region, x re-laid once, each thread's blocks running from one product into the next.
 std::vector<at::Tensor> amx_linear_group(const at::Tensor& x, at::ArrayRef<at::Tensor> weights,
