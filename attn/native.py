@@ -94,7 +94,8 @@ them. C++ kernels (``attn/csrc``) do what inductor's code and the BLAS do not:
   49,152 at k = 50: 0.29 against 1.66 ms for topk and masked_fill_.
 
 The kernels share ``csrc/simd.h`` (shuffles, an exp), ``csrc/linear_checks.h`` (the products'
-input checks), ``csrc/layer_steps.h`` (the decode layers' norms, RoPE, residuals and SwiGLU, built
+input checks), ``csrc/product_group.h`` (products that share x in one parallel region),
+``csrc/layer_steps.h`` (the decode layers' norms, RoPE, residuals and SwiGLU, built
 for AVX-512 and for AVX2), ``csrc/row_tiles.h`` (``attn::invariant_linear``'s loop over tiles)
 and ``csrc/kernels.h`` (the entry points they call in each other). The build's
 name holds the torch release and a hash of the sources' paths and of every source and header

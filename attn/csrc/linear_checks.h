@@ -1,6 +1,7 @@
-// The input checks of attn's few-row products (attn::bf16_matvec, attn::fp32_linear and
-// attn::amx_linear), raised before any work with the values they found. attn/native.py hashes
-// this header into the build's flags, so that a change here rebuilds the sources.
+// The input checks of attn's few-row products (attn::bf16_matvec, attn::fp32_linear,
+// attn::amx_linear and attn::avx2_linear), raised before any work with the values they found.
+// attn/native.py hashes this header into the build's flags, so that a change here rebuilds the
+// sources.
 #pragma once
 
 #include <ATen/core/Tensor.h>
