@@ -179,14 +179,11 @@ void product(const Target* group, int count, const at::Tensor& x, int64_t K) {
   constexpr int R = rows_per_pass(M);
   thread_local std::vector<float> buffer;
   const float* X = widened<D>(x, M, K, buffer);  // written before the threads start, then only read
-  const auto outputs_of = [&](auto rows_a_pass) {
-    return [&, rows_a_pass](const Target& t, int64_t n0, int64_t n1) {
-      outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), X, static_cast<const V*>(t.bias),
-                                                  static_cast<V*>(t.Y), t.N, K, n0, n1);
-    };
+  const auto blocks = [&](auto rows_a_pass, const Target& t, int64_t n0, int64_t n1) {
+    outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), X, static_cast<const V*>(t.bias),
+                                                static_cast<V*>(t.Y), t.N, K, n0, n1);
   };
-  attn::product_group::run<R>(group, count, /*grain=*/32 / R, outputs_of(std::integral_constant<int, R>()),
-                              outputs_of(std::integral_constant<int, 1>()));  // the last N % R outputs of each
+  attn::product_group::run<R>(group, count, /*grain=*/32 / R, blocks);
 }
 
 // D's loop as attn::row_tiles' kernel (attn::invariant_linear's products): X widened to fp32.

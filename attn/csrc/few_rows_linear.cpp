@@ -253,14 +253,11 @@ void product(const Target* group, int count, const void* X, int64_t K) {
   using V = typename D::Value;
   constexpr int R = D::rows_per_pass(M);
   const auto* x = static_cast<const V*>(X);
-  const auto outputs_of = [&](auto rows_a_pass) {
-    return [&, rows_a_pass](const Target& t, int64_t n0, int64_t n1) {
-      outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias),
-                                                  static_cast<V*>(t.Y), t.N, K, n0, n1);
-    };
+  const auto blocks = [&](auto rows_a_pass, const Target& t, int64_t n0, int64_t n1) {
+    outputs<D, M, decltype(rows_a_pass)::value>(static_cast<const V*>(t.W), x, static_cast<const V*>(t.bias),
+                                                static_cast<V*>(t.Y), t.N, K, n0, n1);
   };
-  attn::product_group::run<R>(group, count, /*grain=*/64 / R, outputs_of(std::integral_constant<int, R>()),
-                              outputs_of(std::integral_constant<int, 1>()));  // the last N % R outputs of each
+  attn::product_group::run<R>(group, count, /*grain=*/64 / R, blocks);
 }
 
 // D's loop as attn::row_tiles' kernel (attn::invariant_linear's products).
@@ -311,7 +308,8 @@ std::vector<at::Tensor> fp32_linear_group(const at::Tensor& x, at::ArrayRef<at::
                                           at::ArrayRef<c10::optional<at::Tensor>> biases) {
   // Built with the bf16 kernel's instruction set (one template for both): the same CPUs.
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "attn::fp32_linear needs a CPU with AVX512-BF16");
-  const int64_t M = product_group::check("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, 1, x, weights, biases);
+  const int64_t M =
+      product_group::check("attn::fp32_linear", at::kFloat, "fp32", Fp32::kMaxRows, 1, x, weights, biases);
   return linear<Fp32>(x, weights, biases, M);
 }
 

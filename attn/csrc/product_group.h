@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace attn::product_group {
@@ -60,21 +61,24 @@ inline std::vector<at::Tensor> targets(const at::Tensor& x, at::ArrayRef<at::Ten
   return outputs;
 }
 
-// Runs blocks(target, n0, n1) on outputs [n0, n1) of each product (a multiple of R), the group's
-// blocks split between the threads (at least `grain` a thread), then tail(target, n0, n1) on
-// each product's last N % R outputs on the calling thread.
-template <int R, typename Blocks, typename Tail>
-void run(const Target* group, int count, int64_t grain, const Blocks& blocks, const Tail& tail) {
+// Runs outputs(std::integral_constant<int, R>(), target, n0, n1) on outputs [n0, n1) of each
+// product (a multiple of R), the group's blocks split between the threads (at least `grain` a
+// thread), then outputs(std::integral_constant<int, 1>(), target, n0, n1) on each product's last
+// N % R outputs on the calling thread: the weight rows a pass as a constant the callee's
+// template takes.
+template <int R, typename Outputs>
+void run(const Target* group, int count, int64_t grain, const Outputs& outputs) {
   int64_t first[kMostProducts + 1] = {0};  // product i's blocks are [first[i], first[i + 1])
   for (int i = 0; i < count; ++i) first[i + 1] = first[i] + group[i].N / R;
   at::parallel_for(0, first[count], grain, [&](int64_t b0, int64_t b1) {
     for (int i = 0; i < count; ++i) {
       const int64_t lo = std::max(b0, first[i]), hi = std::min(b1, first[i + 1]);
-      if (lo < hi) blocks(group[i], (lo - first[i]) * R, (hi - first[i]) * R);
+      if (lo < hi) outputs(std::integral_constant<int, R>(), group[i], (lo - first[i]) * R, (hi - first[i]) * R);
     }
   });
   for (int i = 0; i < count; ++i)
-    if (group[i].N % R != 0) tail(group[i], group[i].N - group[i].N % R, group[i].N);
+    if (group[i].N % R != 0)
+      outputs(std::integral_constant<int, 1>(), group[i], group[i].N - group[i].N % R, group[i].N);
 }
 
 }  // namespace attn::product_group
