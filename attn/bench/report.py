@@ -100,7 +100,8 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         checked = sum(r.check_ok is True for r in result.rows)
         lines.append(f"correctness: all {checked} checked contender runs agree with the reference")
     lines.append(
-        "columns: decode tok/s over all rows of the batch, after the first token; xHF-st = vs hf-static; "
+        "columns: decode tok/s over all rows of the batch, after the first token; xHF-st = vs hf-static "
+        "(the median of the rounds' ratios: each round runs every contender once, in turn); "
         "%mem = share of the memory-bound limit (bytes that must be read per step / read bandwidth); "
         "%roof = share of the roofline (the lower of that and the compute-bound limit: FLOPs per step / "
         "measured matrix-product speed); "
@@ -142,9 +143,8 @@ def compiled_summary(result: BenchResult) -> list[str]:
         compiled, hf = rows.get("attn-compiled"), rows.get("hf-static")
         if compiled is None or compiled.decode_tokens_per_s is None:
             continue
-        speed = compiled.decode_tokens_per_s.median
         ratios = [
-            f"{speed / row.decode_tokens_per_s.median:.2f}x {name}"
+            f"{compiled.speedup_over(row)[0]:.2f}x {name}"
             for name, row in rows.items()
             if name != "attn-compiled" and row.decode_tokens_per_s is not None
         ]

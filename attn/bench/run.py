@@ -141,10 +141,30 @@ class Row:
     note: str | None = None
     check_ok: bool | None = None
     check: str = ""
+    rounds: list[int] = field(default_factory=list)
+    """The round of each timed run (``decode_tokens_per_s.values`` in order): every round runs
+    each contender once, in turn, so two contenders' runs of one round met the same machine."""
     positions: list[int] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     """Median (over timed runs) latency of each forward pass after the first, by the
     number of tokens it attends to (``positions``)."""
+
+    def speedup_over(self, peer: Row) -> tuple[float, int]:
+        """How many times ``peer``'s decode speed this row's is, and from how many rounds: the
+        median over the rounds both ran of the ratio of their two runs (a round's runs met the
+        same machine, and a shared VM drifts from round to round by more than two contenders
+        differ); where they share no round (a contender capped to fewer runs than the other's
+        rounds, or rows read from a JSON file without rounds), the ratio of the medians and 0."""
+        mine, theirs = self.decode_tokens_per_s, peer.decode_tokens_per_s
+        if mine is None or theirs is None:
+            raise ValueError(f"{self.contender} against {peer.contender}: a row without timed runs")
+        if len(self.rounds) != len(mine.values) or len(peer.rounds) != len(theirs.values):
+            return mine.median / theirs.median, 0  # rows without rounds
+        peer_runs = dict(zip(peer.rounds, theirs.values, strict=True))
+        ratios = [speed / peer_runs[r] for r, speed in zip(self.rounds, mine.values, strict=True) if r in peer_runs]
+        if not ratios:
+            return mine.median / theirs.median, 0
+        return statistics.median(ratios), len(ratios)
 
 
 @dataclass
@@ -455,6 +475,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
 
     graphs_before = {c.name: c.graphs() for c in active}
     runs: dict[str, list[Generated]] = {c.name: [] for c in active}
+    rounds: dict[str, list[int]] = {c.name: [] for c in active}
     for round_ in range(spec.repeats):
         order = active[round_ % len(active) :] + active[: round_ % len(active)] if active else []
         bandwidths.append(read_bandwidth(cell.threads, megabytes=probe_mb))
@@ -468,12 +489,13 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
             if want_logits:
                 checked[contender.name] = run
             runs[contender.name].append(run)
+            rounds[contender.name].append(round_)
 
     _log(f"== {cell.label}: measuring read bandwidth and matrix-product speed again")
     bandwidths.append(read_bandwidth(cell.threads, megabytes=probe_mb))
     peaks.append(matmul_peak(cell.dtype, cell.threads))
     info = cell_info(cell, bandwidths, peaks)
-    hf_static = None
+    hf_static: Row | None = None
     for contender in active:
         row = rows[contender.name]
         timed = runs[contender.name]
@@ -481,6 +503,7 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
             continue
         row.decode_tokens_per_s = Stats.of([run.decode_tokens_per_s(cell.batch_size) for run in timed])
         row.ttft_s = Stats.of([run.ttft for run in timed])
+        row.rounds = rounds[contender.name]
         row.fraction_of_limit = row.decode_tokens_per_s.median / info.limit_tokens_per_s
         row.fraction_of_roofline = row.decode_tokens_per_s.median / info.roofline_tokens_per_s
         row.positions, row.latency_ms = _median_latencies(timed, cell.prompt_len)
@@ -497,11 +520,11 @@ def run_cell(cell: Cell, spec: BenchSpec, contenders: list[Contender]) -> tuple[
         verdict = _check(ctx, reference, checked[contender.name], contender.name == REFERENCE)
         row.check_ok, row.check = verdict.ok, verdict.detail
         if contender.name == "hf-static":
-            hf_static = row.decode_tokens_per_s.median
-    if hf_static:
+            hf_static = row
+    if hf_static is not None:
         for row in rows.values():
             if row.decode_tokens_per_s is not None:
-                row.vs_hf_static = row.decode_tokens_per_s.median / hf_static
+                row.vs_hf_static, _ = row.speedup_over(hf_static)
 
     if spec.memory:
         for contender in active:

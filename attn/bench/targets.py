@@ -91,15 +91,15 @@ def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Ta
         wanted = wanted_by_dtype.get(info.dtype)
         if wanted is not None and share is not None:
             out.append(_verdict(f"{share:.0%} of {of_what}", f">= {wanted:.0%}", share >= wanted))
-    speed = subject.decode_tokens_per_s.median if subject.decode_tokens_per_s else None
     for name in targets.faster_than:
         peer = rows.get(name)
-        if peer is None or peer.decode_tokens_per_s is None or speed is None:
+        if peer is None or peer.decode_tokens_per_s is None or subject.decode_tokens_per_s is None:
             why = f"skipped: {peer.skipped}" if peer is not None and peer.skipped else "not run"
             out.append(f"faster than {name}: not measured ({why})")
             continue
-        ratio = speed / peer.decode_tokens_per_s.median
-        out.append(_verdict(f"{ratio:.2f}x {name}", "> 1.00x", ratio > 1.0) + _overlap(subject, peer))
+        ratio, rounds = subject.speedup_over(peer)
+        how = f"median of {rounds} rounds' ratios" if rounds else "ratio of the medians: no round ran both"
+        out.append(_verdict(f"{ratio:.2f}x {name} ({how})", "> 1.00x", ratio > 1.0) + _overlap(subject, peer))
     for name, most in targets.peak_rss_at_most.items():
         peer = rows.get(name)
         if peer is None or not peer.peak_rss_mb or not subject.peak_rss_mb:
@@ -111,9 +111,9 @@ def _cell_checks(info: CellInfo, rows: dict[str, Row], subject: Row, targets: Ta
 
 
 def _overlap(subject: Row, peer: Row) -> str:
-    """Where the two contenders' timed runs overlap in speed: a note that the verdict, read
-    from the medians, is within the machine's run-to-run spread (on a shared VM two contenders
-    running the same code have read 0.76x in one run); else nothing."""
+    """Where the two contenders' timed runs overlap in speed: a note that the verdict is within
+    the machine's run-to-run spread (on a shared VM two contenders running the same code have
+    read 0.76x in one run); else nothing."""
     mine, theirs = subject.decode_tokens_per_s, peer.decode_tokens_per_s
     if mine is None or theirs is None or mine.min > theirs.max or mine.max < theirs.min:
         return ""
