@@ -173,10 +173,24 @@ def _draw(
     probability 0 is never drawn. On a CPU it is several times faster than
     ``torch.multinomial`` (3 against 20 ms for 16 rows of 32k tokens, one thread).
     ``cumulative``: a (b, v) fp64 tensor to write the running sums into, else a new one."""
-    cumulative = torch.cumsum(probs, -1, dtype=torch.float64, out=cumulative)  # (b, v)
+    cumulative = _running_sums(probs, cumulative)  # (b, v)
     draw = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)  # (b, 1)
     tokens = torch.searchsorted(cumulative, draw * cumulative[:, -1:], right=True)  # (b, 1)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # (b,)
+
+
+def _running_sums(probs: torch.Tensor, cumulative: torch.Tensor | None) -> torch.Tensor:
+    """Each row's running sums in fp64, into ``cumulative`` (or a new tensor): ``torch.cumsum``'s,
+    or ``attn::running_sums``', the same sums bit for bit (the same additions in the same order,
+    8 rows' chains at once), on a CPU where attn's native kernels are loaded (16 rows of 49,152,
+    2 threads, Zen 5: 0.19 against 0.34 ms). (b, v) fp32 -> (b, v) fp64."""
+    fits = cumulative is None or cumulative.is_contiguous()
+    if probs.device.type == "cpu" and probs.dim() == 2 and probs.is_contiguous() and fits and native.loaded():
+        if cumulative is None:
+            cumulative = torch.empty(probs.shape, dtype=torch.float64)
+        torch.ops.attn.running_sums.default(probs, cumulative)
+        return cumulative
+    return torch.cumsum(probs, -1, dtype=torch.float64, out=cumulative)
 
 
 def _check_arguments(

@@ -293,7 +293,8 @@ def test_sampling_into_reused_buffers_equals_fresh_tensors(native, rows, vocab, 
     those of the sampler written here with fresh tensors, bit for bit, step after step (the
     buffers hold the last step's values), from the same generator state, and the logits given
     are left as they were; with ATen's calls, and with attn's native kernels where they are
-    loaded (``attn::first_argmax``, ``attn::keep_top_k`` up to its largest k)."""
+    loaded (``attn::first_argmax``, ``attn::keep_top_k`` up to its largest k,
+    ``attn::running_sums``)."""
     if native:
         attn.native.build_native()
 
@@ -321,7 +322,9 @@ def test_sampling_into_reused_buffers_equals_fresh_tensors(native, rows, vocab, 
             got = _sample(logits, temperature, k, reused_gen, buffers)
         if temperature == 0.0:
             assert ("attn.first_argmax.default" in calls.names) == native
-        elif k is not None:
+        else:
+            assert ("attn.running_sums.default" in calls.names) == native
+        if temperature != 0.0 and k is not None:
             assert ("attn.keep_top_k.default" in calls.names) == (native and k <= attn.native.KEEP_TOP_K_MOST)
         assert torch.equal(got[0], expected[0])
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0, equal_nan=True)

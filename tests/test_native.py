@@ -706,6 +706,75 @@ def test_keep_top_k_bad_input_names_the_values(logits, k, message):
     assert torch.equal(logits, before)
 
 
+@given(
+    rows=st.integers(1, 19),  # groups of 8 and a short last group
+    vocab=st.integers(1, 300),
+    scale_exp=st.integers(-30, 30),  # values of any size, sums that round at every step
+    specials=st.lists(st.tuples(st.sampled_from(sorted(_SPECIAL_LOGITS)), st.integers(0, 2**16)), max_size=4),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+@example(rows=3, vocab=5, scale_exp=0, specials=[("-0.0", 0), ("-0.0", 5)], threads=1, seed=0)  # -0.0 first
+@example(rows=11, vocab=2, scale_exp=0, specials=[("-0.0", 16)], threads=2, seed=0)  # the short group's
+@settings(max_examples=examples(100), deadline=None)
+def test_running_sums_are_cumsums_in_fp64_bit_for_bit(rows, vocab, scale_exp, specials, threads, seed):
+    """``attn::running_sums`` writes ``torch.cumsum(x, -1, dtype=torch.float64)``: the same
+    additions in the same order from 0 (-0.0 + 0 is 0.0, a NaN or infinity carried on as ATen
+    carries it), for any number of rows (8 at once, then the rest) and threads."""
+    build_native()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(rows, vocab, generator=gen) * 2.0**scale_exp  # (b, v)
+    for name, where in specials:
+        x.view(-1)[where % x.numel()] = _SPECIAL_LOGITS[name]
+    out = torch.full((rows, vocab), 7.0, dtype=torch.float64)
+    torch.set_num_threads(threads)
+    torch.ops.attn.running_sums(x, out)
+    expected = torch.cumsum(x, -1, dtype=torch.float64)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(out.signbit(), expected.signbit())
+
+
+def test_running_sums_of_a_vocabulary_of_probabilities():
+    """16 rows of 49,152 softmax probabilities on 2 threads (a group of 8 rows a thread): the
+    sums the sampler inverts, as torch.cumsum gives them, each row's last about 1."""
+    build_native()
+    probs = torch.softmax(torch.randn(16, 49_152, generator=torch.Generator().manual_seed(0)) * 3, -1)  # (b, v)
+    out = torch.empty(16, 49_152, dtype=torch.float64)
+    torch.set_num_threads(2)
+    torch.ops.attn.running_sums(probs, out)
+    assert torch.equal(out, torch.cumsum(probs, -1, dtype=torch.float64))
+    torch.testing.assert_close(out[:, -1], torch.ones(16, dtype=torch.float64), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x", "out", "message"),
+    [
+        (
+            torch.zeros(2, 3, dtype=torch.bfloat16),
+            torch.zeros(2, 3, dtype=torch.float64),
+            r"fp32 \(b, v\) CPU "
+            r"probabilities, got \[2, 3\] BFloat16",
+        ),
+        (torch.zeros(3, 2).t(), torch.zeros(2, 3, dtype=torch.float64), r"got \[2, 3\] Float \(not contiguous\)"),
+        (torch.zeros(3), torch.zeros(3, dtype=torch.float64), r"got \[3\] Float"),
+        (
+            torch.zeros(2, 3),
+            torch.zeros(2, 4, dtype=torch.float64),
+            r"fp64 CPU tensor of x's shape \[2, 3\], got "
+            r"\[2, 4\] Double",
+        ),
+        (torch.zeros(2, 3), torch.zeros(2, 3), r"of x's shape \[2, 3\], got \[2, 3\] Float"),
+        (torch.zeros(2, 3), torch.zeros(3, 2, dtype=torch.float64).t(), r"got \[2, 3\] Double \(not contiguous\)"),
+    ],
+)
+def test_running_sums_bad_input_names_the_values(x, out, message):
+    build_native()
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.attn.running_sums(x, out)
+    assert torch.equal(out, before)
+
+
 def test_every_header_the_sources_include_is_hashed_into_the_build():
     """torch's builder rebuilds when a source or a flag changes: a header missing from
     ``_HEADERS`` could leave a stale build after an edit."""

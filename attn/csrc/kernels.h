@@ -82,6 +82,11 @@ at::Tensor first_argmax(const at::Tensor& x);
 constexpr int64_t kKeepTopKMost = 256;
 void keep_top_k(const at::Tensor& x, int64_t k);
 
+// Each row's running sums in fp64 of contiguous fp32 (b, v) CPU probabilities into out (b, v) fp64,
+// as torch.cumsum(x, -1, dtype=torch.float64, out=out) writes them, 8 rows' chains at once
+// (running_sums.cpp); the samplers' cumulative distribution.
+void running_sums(const at::Tensor& x, const at::Tensor& out);
+
 // A run of decoder layers' decode step, one token a row (decode_layers.cpp: its comment says what
 // it computes and checks); attn::decode_loop calls it every step. avx2: with attn::avx2_linear's
 // products and the AVX2 code below, for a CPU without AVX512-BF16. group, shared: the caches'
