@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import statistics
 import time
 import types
@@ -198,6 +199,7 @@ def test_json_has_every_field(result_json: dict) -> None:
     assert {"torch", "cpu", "load_average_before", "load_average_after", "memory_measurement", "huge_pages"} <= set(
         result_json["machine"]
     )
+    assert result_json["machine"]["glibc_tunables"] == (os.environ.get("GLIBC_TUNABLES") or None)
     (cell,) = result_json["cells"]
     assert cell["read_bandwidth_gb_s"] > 0 and cell["limit_tokens_per_s"] > 0
     samples = cell["read_bandwidth_samples"]

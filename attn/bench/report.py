@@ -31,7 +31,8 @@ def format_table(result: BenchResult, targets: Targets | None = None) -> str:
         f"huge pages for tensors {'on' if m.get('huge_pages') else 'off'} (THP_MEM_ALLOC_ENABLE), "
         f"huge pages for attn's weights, caches and the read probe "
         f"{'available' if m.get('attn_huge_pages') else 'not available'} "
-        "(attn.place_in_huge_pages, setup_caches, attn.bench.measure.probe_buffer)"
+        "(attn.place_in_huge_pages, setup_caches, attn.bench.measure.probe_buffer), "
+        f"GLIBC_TUNABLES {m.get('glibc_tunables') or 'not set'}"
     )
     lines.append(
         f"load average before {_load(m.get('load_average_before'))}, after {_load(m.get('load_average_after'))}"

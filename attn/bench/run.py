@@ -409,6 +409,10 @@ def machine_info() -> dict[str, Any]:
         # can attn's weights, its caches and the read probe go into huge pages (attn.place_in_huge_pages,
         # which the bench calls; setup_caches; attn.bench.measure.probe_buffer)?
         "attn_huge_pages": huge_pages_available(),
+        # glibc's malloc settings, read at process start: with its defaults, freed blocks go back
+        # to the OS and the prefill's every new tensor faults its pages in again (README,
+        # Performance), which moves the first token's time.
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
     try:
         import transformers
