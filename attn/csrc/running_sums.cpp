@@ -7,8 +7,9 @@
 // same additions, in the same order from 0, so the same sums bit for bit, run for 8 rows at once,
 // one chain a row interleaved with the others (an addition's latency is 3-4 cycles, and a core
 // retires 2 a cycle), each value widened as it is read, nothing copied. 16 rows of 49,152 on 2
-// threads of an AMD EPYC Zen 5: 0.07 against 0.34 ms for torch.cumsum. No vector instructions: the
-// chains are the bound, so any x86-64 CPU takes it.
+// threads of an AMD EPYC Zen 5: 0.19 against 0.34 ms for torch.cumsum (64 rows 0.83 against 2.01,
+// one row 0.032 against 0.036); at 16 rows its 3 MB read and 6 MB written bound it, not the
+// chains. No vector instructions: any x86-64 CPU takes it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
