@@ -116,7 +116,8 @@ release and copy of attn, on the first decode step that asks, then loads from to
 (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
 inductor's code, with one warning that says why. A build killed before it finished leaves torch's
 lock file behind, on which torch waits forever; attn builds under an ``flock`` of its own and
-clears such a file first, with a warning (``_sole_builder``).
+clears such a file first, with a warning (``_sole_builder``); a process that has to wait for
+another's build says so, with that process's pid.
 
 Results are fp32 sums rounded to the tensors' dtype once, like the other kernels'; the order of
 the sums differs, so the last bit of an output can.
@@ -395,20 +396,37 @@ def _sole_builder(directory: Path) -> Iterator[None]:
     first clears a lock file that torch's builder left there when its process was killed mid-build
     (SIGKILL, a job's time limit, the OOM killer): torch would wait on it forever, without a word,
     on every later first decode step. Under the ``flock`` no attn process is building, so the file
-    is stale. Where there is no ``flock`` (Windows, a network file system that refuses it),
-    torch's own lock file is all there is, and it is left as it is."""
+    is stale. A process that has to wait for another says so first, with the holder's pid (which
+    each holder writes into the ``flock``'s file): a first decode step that waits on a build in
+    another process (ranks started together, a second job on the machine) is not silent. Where
+    there is no ``flock`` (Windows, a network file system that refuses it), torch's own lock file
+    is all there is, and it is left as it is."""
     try:
         import fcntl
     except ImportError:
         yield
         return
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "attn-build.flock", "a") as held:
+    with open(directory / "attn-build.flock", "a+") as held:
         try:
-            fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder; dropped when the file closes
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live builder: say so, then wait (the flock drops when its file closes)
+                held.seek(0)
+                holder = held.read().strip() or "unknown"
+                warnings.warn(
+                    f"attn: another process (pid {holder}) is building or loading the native kernels in {directory}; "
+                    "waiting for it to finish (a build runs once per machine, torch release and copy of attn)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                fcntl.flock(held, fcntl.LOCK_EX)
         except OSError:  # ENOLCK and the like: no way to tell a live builder's lock from a dead one's
             yield
             return
+        held.truncate(0)  # the holder's pid, for the next process that has to wait
+        held.write(str(os.getpid()))
+        held.flush()
         stale = directory / "lock"  # torch's FileBaton
         if stale.exists():
             warnings.warn(

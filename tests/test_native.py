@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -845,8 +846,11 @@ def test_a_build_waits_for_a_live_builder_and_leaves_its_lock_alone():
     import fcntl
 
     directory = _build_directory()
-    with open(directory / "attn-build.flock", "a") as held:
+    with open(directory / "attn-build.flock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another attn process, building
+        held.truncate(0)
+        held.write(str(os.getpid()))  # as attn's builder leaves its pid for the processes that wait
+        held.flush()
         (directory / "lock").touch()  # torch's lock file of that live build
         waiting = subprocess.Popen(
             [sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -862,7 +866,13 @@ def test_a_build_waits_for_a_live_builder_and_leaves_its_lock_alone():
             (directory / "lock").unlink(missing_ok=True)  # the live build finishes
     out, err = waiting.communicate(timeout=240)
     assert waiting.returncode == 0, err
-    assert out == "built\n"
+    # One notice that it waited, naming the holder and the directory, then the build loaded.
+    assert out == (
+        f"built\nattn: another process (pid {os.getpid()}) is building or loading the native kernels in "
+        f"{directory}; waiting for it to finish (a build runs once per machine, torch release and copy of attn)\n"
+    )
+    with open(directory / "attn-build.flock") as left:
+        assert left.read() == str(waiting.pid)  # the pid of the last holder, for the next to wait
 
 
 def test_where_the_file_system_refuses_an_flock_the_build_goes_on_and_leaves_torchs_lock_alone(tmp_path, monkeypatch):

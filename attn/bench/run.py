@@ -12,6 +12,7 @@ measured afterwards, one fresh process per contender.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -288,8 +289,12 @@ def cell_from_dict(data: dict[str, Any]) -> Cell:
 
 
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a fresh process: one contender's peak RSS during one timed generation."""
+    """Runs in a fresh process: one contender's peak RSS during one timed generation. Each phase
+    is named on stderr as it starts, so that a probe that runs out of time says where it was."""
     warnings.simplefilter("ignore")
+    warnings.filterwarnings("always", message="attn: another process")  # a wait on a build elsewhere: say so
+    phase = functools.partial(print, file=sys.stderr, flush=True)
+    phase("memory probe: setting up the model")
     cell = cell_from_dict(spec["cell"])
     torch.set_num_threads(cell.threads)
     ctx = CellContext(
@@ -302,7 +307,9 @@ def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     )
     contender = make_contender(spec["contender"])
     contender.setup(ctx)
-    contender.generate(ctx, cell.new_tokens, want_logits=False)  # warm-up (and compile)
+    phase("memory probe: the warm-up generation (kernels built or loaded, steps compiled)")
+    contender.generate(ctx, cell.new_tokens, want_logits=False)
+    phase("memory probe: the timed generation")
     gc.collect()
     before = rss_mb()
     resettable = reset_peak_rss()
@@ -327,8 +334,9 @@ def _run_probe(cell: Cell, name: str, spec: BenchSpec, timeout: float = 1800.0) 
     command = [sys.executable, "-m", "attn.bench", "--memory-probe", json.dumps(payload)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return None, f"memory probe timed out after {timeout:.0f} s"
+    except subprocess.TimeoutExpired as error:
+        said = (error.stderr or b"").decode(errors="replace").strip().splitlines()
+        return None, f"memory probe timed out after {timeout:.0f} s; its last words: {said[-1] if said else 'none'}"
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
