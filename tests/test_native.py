@@ -82,7 +82,9 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
 @needs_bf16_matvec
 @given(
     outputs=st.integers(1, 70),  # blocks of 4 or 3 weight rows, and the rest
-    features=st.integers(1, 140),  # 32 features a dot-product step, and a masked tail
+    # 32 features a dot-product step, and a masked tail; past 8 rows, an x over 32 KB turns every
+    # other block's passes around (9 rows need 1821 features)
+    features=st.integers(1, 140) | st.integers(1821, 1900),
     rows=st.integers(1, BF16_MATVEC_MAX_ROWS),
     layout=_LAYOUTS,
     bias=st.booleans(),
@@ -92,6 +94,7 @@ _LAYOUTS = st.sampled_from(["(m, k)", "(m, 1, k)", "(1, m, k)"])
 # two rows read one weight row a pass, three read four: each side of that choice, with a tail
 @example(outputs=70, features=140, rows=2, layout="(m, k)", bias=True, threads=2, seed=1)
 @example(outputs=70, features=140, rows=3, layout="(m, 1, k)", bias=False, threads=1, seed=2)
+@example(outputs=70, features=1900, rows=16, layout="(m, k)", bias=True, threads=2, seed=3)  # passes turned
 @settings(max_examples=examples(80), deadline=None)
 def test_matvec_equals_a_float64_product_rounded_once_to_bf16(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(torch.ops.attn.bf16_matvec, outputs, features, rows, layout, bias, threads, seed)
@@ -134,13 +137,16 @@ def test_matvec_rounds_a_nan_sum_to_torchs_nan():
 @needs_bf16_matvec
 @given(
     outputs=st.integers(1, 70),  # blocks of 4, 2 or 1 weight rows, and the rest
-    features=st.integers(1, 80),  # 16 features a step, and a masked tail
+    # 16 features a step, and a masked tail; past 8 rows, an x over 32 KB turns every other
+    # block's passes around (9 rows need 911 features)
+    features=st.integers(1, 80) | st.integers(911, 960),
     rows=st.integers(1, FP32_LINEAR_MAX_ROWS),
     layout=_LAYOUTS,
     bias=st.booleans(),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
+@example(outputs=70, features=960, rows=16, layout="(m, k)", bias=True, threads=2, seed=3)  # passes turned
 @settings(max_examples=examples(80), deadline=None)
 def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, threads, seed):
     _assert_product_rounded_once(
@@ -151,7 +157,7 @@ def test_fp32_equals_a_float64_product(outputs, features, rows, layout, bias, th
 @needs_avx2
 @given(
     outputs=st.integers(1, 70),  # 48 weight rows a thread's unit, blocks of rows_per_pass, and the rest
-    features=st.integers(1, 100),
+    features=st.integers(1, 100) | st.integers(1821, 1900),  # 16-row tiles' passes turned (few_rows_linear)
     rows=st.integers(1, 3 * BF16_MATVEC_MAX_ROWS + 5),  # tiles of 16 rows, the last one fewer
     layout=_LAYOUTS,
     threads=st.sampled_from([1, 2]),
