@@ -116,8 +116,8 @@ release and copy of attn, on the first decode step that asks, then loads from to
 (``TORCH_EXTENSIONS_DIR``). Where it cannot be built the steps keep torch's kernels or
 inductor's code, with one warning that says why. A build killed before it finished leaves torch's
 lock file behind, on which torch waits forever; attn builds under an ``flock`` of its own and
-clears such a file first, with a warning (``_sole_builder``); a process that has to wait for
-another's build says so, with that process's pid.
+clears such a file first, with a warning (``_sole_builder``); a process that waits more than a
+few seconds for another's build says so on stderr, with that process's pid.
 
 Results are fp32 sums rounded to the tensors' dtype once, like the other kernels'; the order of
 the sums differs, so the last bit of an output can.
@@ -130,9 +130,12 @@ import functools
 import hashlib
 import os
 import shutil
+import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -396,31 +399,20 @@ def _sole_builder(directory: Path) -> Iterator[None]:
     first clears a lock file that torch's builder left there when its process was killed mid-build
     (SIGKILL, a job's time limit, the OOM killer): torch would wait on it forever, without a word,
     on every later first decode step. Under the ``flock`` no attn process is building, so the file
-    is stale. A process that has to wait for another says so first, with the holder's pid (which
-    each holder writes into the ``flock``'s file): a first decode step that waits on a build in
-    another process (ranks started together, a second job on the machine) is not silent. Where
+    is stale. A process that waits for another more than a few seconds says so on stderr, with the
+    holder's pid (``_take_flock``): a first decode step that waits on a build in another process
+    (ranks started together, a second job on the machine) is not silent. Where
     there is no ``flock`` (Windows, a network file system that refuses it), torch's own lock file
     is all there is, and it is left as it is."""
     try:
-        import fcntl
+        import fcntl  # noqa: F401 - _take_flock's; where there is none, there is no flock
     except ImportError:
         yield
         return
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "attn-build.flock", "a+") as held:
         try:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # a live builder: say so, then wait (the flock drops when its file closes)
-                held.seek(0)
-                holder = held.read().strip() or "unknown"
-                warnings.warn(
-                    f"attn: another process (pid {holder}) is building or loading the native kernels in {directory}; "
-                    "waiting for it to finish (a build runs once per machine, torch release and copy of attn)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                fcntl.flock(held, fcntl.LOCK_EX)
+            _take_flock(held, directory)
         except OSError:  # ENOLCK and the like: no way to tell a live builder's lock from a dead one's
             yield
             return
@@ -437,6 +429,38 @@ def _sole_builder(directory: Path) -> Iterator[None]:
             )
             stale.unlink(missing_ok=True)
         yield
+
+
+# How long a process waits for another's flock before it says so: loading a built extension
+# holds it for a moment, which ranks started together can meet; a build holds it for longer.
+_QUIET_WAIT_S = 5.0
+
+
+def _take_flock(held: IO[str], directory: Path) -> None:
+    """Takes the ``flock`` on ``held``, waiting for a live holder (the flock drops when its file
+    closes). A wait past ``_QUIET_WAIT_S`` is announced on stderr with the holder's pid, which
+    each holder writes into the file: a note, not a warning, since nothing is wrong, and one that
+    no warnings filter turns into an error in the middle of a first decode step."""
+    import fcntl
+
+    deadline = time.monotonic() + _QUIET_WAIT_S
+    while True:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    held.seek(0)
+    holder = held.read().strip() or "unknown"
+    print(
+        f"attn: another process (pid {holder}) is building or loading the native kernels in {directory}; "
+        "waiting for it to finish (a build runs once per machine, torch release and copy of attn)",
+        file=sys.stderr,
+        flush=True,
+    )
+    fcntl.flock(held, fcntl.LOCK_EX)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -872,13 +873,37 @@ def test_a_build_waits_for_a_live_builder_and_leaves_its_lock_alone():
             (directory / "lock").unlink(missing_ok=True)  # the live build finishes
     out, err = waiting.communicate(timeout=240)
     assert waiting.returncode == 0, err
-    # One notice that it waited, naming the holder and the directory, then the build loaded.
-    assert out == (
-        f"built\nattn: another process (pid {os.getpid()}) is building or loading the native kernels in "
-        f"{directory}; waiting for it to finish (a build runs once per machine, torch release and copy of attn)\n"
+    assert out == "built\n"  # no warning: nothing is wrong
+    # One note on stderr that it waited (15 s, past the quiet 5), naming the holder and the directory.
+    note = (
+        f"attn: another process (pid {os.getpid()}) is building or loading the native kernels in {directory}; "
+        "waiting for it to finish (a build runs once per machine, torch release and copy of attn)"
     )
+    assert err.splitlines().count(note) == 1, err
     with open(directory / "attn-build.flock") as left:
         assert left.read() == str(waiting.pid)  # the pid of the last holder, for the next to wait
+
+
+@pytest.mark.parametrize("quiet_s", [5.0, 0.2])
+def test_a_short_wait_for_the_flock_is_quiet_and_a_long_one_is_named(tmp_path, monkeypatch, capsys, quiet_s):
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(attn.native, "_QUIET_WAIT_S", quiet_s)
+    path = tmp_path / "attn-build.flock"
+    path.write_text("4242")  # the holder's pid, as attn's builder leaves it
+    with open(path, "a+") as other, open(path, "a+") as held:  # two open files: two flocks, as two processes
+        fcntl.flock(other, fcntl.LOCK_EX)
+        threading.Timer(1.0, fcntl.flock, (other, fcntl.LOCK_UN)).start()  # the holder finishes in 1 s
+        started = time.monotonic()
+        attn.native._take_flock(held, tmp_path)
+        assert time.monotonic() - started >= 0.9  # it waited for the holder
+    err = capsys.readouterr().err
+    if quiet_s > 1.0:
+        assert err == ""  # a moment's wait (another process loading the kernels) says nothing
+    else:
+        note = f"attn: another process (pid 4242) is building or loading the native kernels in {tmp_path};"
+        assert err.startswith(note)
 
 
 def test_where_the_file_system_refuses_an_flock_the_build_goes_on_and_leaves_torchs_lock_alone(tmp_path, monkeypatch):

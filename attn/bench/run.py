@@ -290,9 +290,9 @@ def cell_from_dict(data: dict[str, Any]) -> Cell:
 
 def memory_probe(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in a fresh process: one contender's peak RSS during one timed generation. Each phase
-    is named on stderr as it starts, so that a probe that runs out of time says where it was."""
+    is named on stderr as it starts, so that a probe that runs out of time says where it was (a
+    wait on a build of the kernels in another process is named there too: attn.native)."""
     warnings.simplefilter("ignore")
-    warnings.filterwarnings("always", message="attn: another process")  # a wait on a build elsewhere: say so
     phase = functools.partial(print, file=sys.stderr, flush=True)
     phase("memory probe: setting up the model")
     cell = cell_from_dict(spec["cell"])
